@@ -1,0 +1,1 @@
+"""clawrl judge: workers that turn each turn's next state into a reward, a hint and teacher logprobs."""

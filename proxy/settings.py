@@ -1,0 +1,68 @@
+"""Typed settings for every clawrl process (pydantic-settings).
+
+Environment variables use the `CLAWRL_` prefix and `__` for nesting, e.g.
+`CLAWRL_DATABASE__URL=postgresql://...`, `CLAWRL_PROXY__PORT=8000`,
+`CLAWRL_ENGINE__URL=http://127.0.0.1:30000`. Settings are built by `load_settings()`,
+never at import time; each process passes only its own sub-config to the functions it calls.
+Judge and trainer settings live in `judge/config.py` and `trainer/config.py` and follow the
+same conventions (`CLAWRL_JUDGE__…`, `CLAWRL_TRAINER__…`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class DatabaseSettings(BaseModel):
+    # None means: start an embedded Postgres with its data under `<state_dir>/pg`.
+    url: SecretStr | None = None
+    pool_size: int = 10
+
+
+class EngineSettings(BaseModel):
+    """Where the serving engine (SGLang or `clawrl engine`) listens."""
+
+    url: str = "http://127.0.0.1:30000"
+    api_key: SecretStr | None = None
+    connect_timeout_s: float = 5.0
+    # Generation can be slow on CPU; a request taking longer is answered 504.
+    read_timeout_s: float = 300.0
+    max_connections: int = 1024
+
+
+class ProxySettings(BaseModel):
+    host: str = "127.0.0.1"
+    port: int = 8000
+    admin_key: SecretStr | None = None
+    max_body_bytes: int = 4 * 1024 * 1024
+    # Default per-key limit; a key can override it. 0 disables the limit.
+    rate_limit_rpm: int = 600
+    # Turns with no continuation for this long are closed (kept, never trained).
+    session_timeout_s: float = 1800.0
+    # Agent frameworks rewrite the system prompt per request; leave it out of fingerprints.
+    fingerprint_system: bool = False
+    # Turns wait here when Postgres is unreachable and are replayed in order later.
+    journal_path: Path | None = None
+    served_model_name: str | None = None
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="CLAWRL_", env_nested_delimiter="__", extra="ignore"
+    )
+
+    state_dir: Path = Field(default=Path(".clawrl"))
+    database: DatabaseSettings = DatabaseSettings()
+    engine: EngineSettings = EngineSettings()
+    proxy: ProxySettings = ProxySettings()
+
+    def journal_file(self) -> Path:
+        return self.proxy.journal_path or self.state_dir / "journal.jsonl"
+
+
+def load_settings(**overrides: object) -> Settings:
+    """Build settings from the environment, with keyword overrides taking precedence."""
+    return Settings(**overrides)  # type: ignore[arg-type]

@@ -1,0 +1,1 @@
+"""clawrl trainer: the embedded engine, the tiny world model and the policy trainer (torch, megatron)."""

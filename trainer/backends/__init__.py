@@ -1,0 +1,1 @@
+"""Training backends: `torch` (Hugging Face model) and `megatron` (megatron-core GPTModel)."""
