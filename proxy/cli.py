@@ -24,8 +24,25 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "users": ("proxy.admin", "users_main", "create, list, opt out or delete users"),
     "keys": ("proxy.admin", "keys_main", "create, list or revoke API keys"),
     "sql": ("proxy.admin", "sql_main", "run a read-only SQL query on the log"),
-    "bench": ("proxy.bench", "main", "benchmarks: proxy, judge, trainer, megatron"),
+    "bench": ("proxy.cli", "bench_main", "benchmarks: proxy, judge, trainer, megatron"),
 }
+
+# `clawrl bench NAME` -> module:function(argv)
+BENCHES: dict[str, tuple[str, str]] = {
+    "proxy": ("proxy.bench", "main"),
+    "judge": ("judge.bench", "main"),
+    "trainer": ("trainer.bench", "main"),
+    "megatron": ("trainer.backends.megatron_bench", "main"),
+}
+
+
+def bench_main(argv: list[str]) -> int:
+    if not argv or argv[0] not in BENCHES:
+        print(f"usage: clawrl bench {{{','.join(BENCHES)}}} [ARGS]", file=sys.stderr)
+        return 2
+    module, func = BENCHES[argv[0]]
+    code: int = getattr(importlib.import_module(module), func)(argv[1:])
+    return code
 
 
 def usage() -> str:
