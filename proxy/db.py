@@ -33,11 +33,11 @@ from sqlalchemy import (
     func,
     text,
 )
+from sqlalchemy import create_engine as sa_create_engine
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
-from sqlalchemy import create_engine as sa_create_engine
 
 IntArray = ARRAY(Integer)
 FloatArray = ARRAY(Double)

