@@ -4,20 +4,29 @@ A key looks like `ck-<prefix>-<secret>`. The prefix (public, unique) finds the r
 sha256(secret) is stored, so a database leak reveals no usable key. Keys are random
 (256 bits), so a fast hash is enough (no password stretching needed); the comparison is
 constant-time (`hmac.compare_digest`).
+
+The serving path uses `Authenticator.authenticate(headers)`: a short-lived in-process
+cache of principals (so most requests cost no database round trip) and a per-key
+`RateLimiter`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import math
 import secrets
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from sqlalchemy import select
+from sqlalchemy import func, select, update
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from proxy.db import ApiKey, User
-from proxy.errors import Unauthorized
+from proxy.errors import RateLimited, Unauthorized, Unavailable
+from proxy.settings import ProxySettings
 
 KEY_PREFIX = "ck"
 
@@ -90,3 +99,120 @@ async def lookup_principal(db: AsyncEngine, full_key: str) -> Principal:
         raise Unauthorized("This API key has been revoked.", code="revoked_api_key")
     return Principal(user_id=row[4], user_name=row[5], key_id=row[0], rate_limit_rpm=row[3],
                      train_opt_out=row[6], log_opt_out=row[7])
+
+
+# --- Serving-path authentication: cached lookups and per-key rate limits -----------------
+
+# Revocation or an opt-out made by another process (the CLI) takes effect within this long.
+CACHE_TTL_S = 2.0
+# While Postgres is unreachable, a key seen recently keeps working for this long.
+STALE_IF_ERROR_S = 3600.0
+_CACHE_MAX = 100_000
+# `api_keys.last_used_at` is written at most this often per key (it is informative only).
+_TOUCH_EVERY_S = 60.0
+
+
+@dataclass
+class _Cached:
+    principal: Principal
+    fresh_until: float
+    stale_until: float
+
+
+class RateLimiter:
+    """Per-key requests per minute: a token bucket holding one minute's worth of requests.
+
+    A key may burst its whole per-minute allowance, then gets `rpm / 60` requests per
+    second. The limit is per proxy process: with N workers the fleet allows N times it.
+    """
+
+    def __init__(self, default_rpm: int, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.default_rpm = default_rpm
+        self._clock = clock
+        self._buckets: dict[int, tuple[float, float]] = {}  # key_id -> (tokens, at)
+
+    def limit_for(self, principal: Principal) -> int:
+        rpm = principal.rate_limit_rpm
+        return self.default_rpm if rpm is None else rpm
+
+    def check(self, principal: Principal) -> None:
+        """Take one request from the key's bucket or raise RateLimited with Retry-After."""
+        rpm = self.limit_for(principal)
+        if rpm <= 0:
+            return
+        now = self._clock()
+        rate = rpm / 60.0  # tokens per second
+        tokens, at = self._buckets.get(principal.key_id, (float(rpm), now))
+        tokens = min(float(rpm), tokens + (now - at) * rate)
+        if tokens < 1.0:
+            self._buckets[principal.key_id] = (tokens, now)
+            retry_after = math.ceil((1.0 - tokens) / rate)
+            raise RateLimited(f"Rate limit reached for this API key: {rpm} requests per "
+                              f"minute. Retry after {retry_after} s.", retry_after_s=retry_after)
+        self._buckets[principal.key_id] = (tokens - 1.0, now)
+
+
+class Authenticator:
+    """Resolves `Authorization` headers to principals and applies the per-key rate limit.
+
+    Lookups are cached in process for `ttl_s` (keyed by the key's hash, never the key), so
+    the hot path costs no database round trip; `invalidate()` drops the cache at once
+    (the admin API calls it after revoking a key or changing a user). When Postgres is
+    unreachable a recently seen key keeps working (stale-if-error); an unknown one gets 503.
+    """
+
+    def __init__(self, db: AsyncEngine, settings: ProxySettings, *, ttl_s: float = CACHE_TTL_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._db = db
+        self._ttl_s = ttl_s
+        self._clock = clock
+        self._cache: dict[str, _Cached] = {}
+        self._touched: dict[int, float] = {}
+        self.limiter = RateLimiter(settings.rate_limit_rpm, clock=clock)
+
+    def invalidate(self) -> None:
+        self._cache.clear()
+
+    async def principal(self, full_key: str) -> Principal:
+        """The key's principal, from the cache when fresh, else from Postgres."""
+        digest = hash_secret(full_key)
+        now = self._clock()
+        hit = self._cache.get(digest)
+        if hit is not None and now < hit.fresh_until:
+            return hit.principal
+        try:
+            found = await lookup_principal(self._db, full_key)
+        except Unauthorized:
+            self._cache.pop(digest, None)
+            raise
+        except (OSError, DBAPIError) as exc:
+            if hit is not None and now < hit.stale_until:
+                return hit.principal
+            raise Unavailable("Cannot verify the API key: the database is unreachable.",
+                              code="database_unavailable") from exc
+        if len(self._cache) >= _CACHE_MAX:
+            self._cache.clear()
+        self._cache[digest] = _Cached(found, now + self._ttl_s, now + STALE_IF_ERROR_S)
+        await self._touch(found.key_id, now)
+        return found
+
+    async def authenticate(self, headers: Mapping[str, str]) -> Principal:
+        """Bearer key -> principal, then one request off its rate limit.
+
+        Raises Unauthorized (401), RateLimited (429, `Retry-After`) or Unavailable (503).
+        """
+        header = headers.get("authorization") or headers.get("Authorization")
+        principal = await self.principal(bearer_token(header))
+        self.limiter.check(principal)
+        return principal
+
+    async def _touch(self, key_id: int, now: float) -> None:
+        if now - self._touched.get(key_id, -_TOUCH_EVERY_S) < _TOUCH_EVERY_S:
+            return
+        self._touched[key_id] = now
+        try:
+            async with self._db.begin() as conn:
+                await conn.execute(update(ApiKey).where(ApiKey.id == key_id)
+                                   .values(last_used_at=func.now()))
+        except (OSError, DBAPIError):
+            pass  # informative column only; never fail a request over it

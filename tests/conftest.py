@@ -61,3 +61,107 @@ def empty_db_url() -> Iterator[str]:
     yield _url_for(name)
     with _admin() as conn:
         conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+# --- the tiny model and the embedded engine (trainer/tinyworld.py, trainer/engine.py) ---
+
+import socket  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import httpx  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random tiny Qwen2-style model dir (`clawrl tinyworld init --size test`), built once.
+
+    Built in a child process so tests that only talk HTTP never import torch themselves.
+    """
+    path = tmp_path_factory.mktemp("tinyworld") / "model"
+    subprocess.run([sys.executable, "-m", "trainer.tinyworld", "init", str(path), "--seed", "0"],
+                   check=True, capture_output=True, text=True)
+    return path
+
+
+class _EngineProcess:
+    """One `python -m trainer.engine` child; stopped (only it) at teardown."""
+
+    def __init__(self, model_dir: Path, log_path: Path, extra: list[str]) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+        self._log = log_path.open("wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "trainer.engine", "--model", str(model_dir),
+             "--port", str(self.port), "--threads", "1", *extra],
+            stdout=self._log, stderr=subprocess.STDOUT, env=env,
+        )
+
+    def wait_ready(self, timeout_s: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"engine exited with {self.proc.returncode}:\n"
+                                   f"{self.log_path.read_text()[-4000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"engine not healthy after {timeout_s}s:\n"
+                           f"{self.log_path.read_text()[-4000:]}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=15)
+        self._log.close()
+
+
+@pytest.fixture
+def engine_factory(tmp_path: Path) -> Iterator[Callable[..., str]]:
+    """Start private engines: `engine_factory(model_dir, *extra_args) -> base_url`.
+
+    Use this when a test changes engine state (weights, pause); every engine started here is
+    terminated at teardown.
+    """
+    started: list[_EngineProcess] = []
+
+    def start(model_dir: Path, *extra: str) -> str:
+        engine = _EngineProcess(Path(model_dir), tmp_path / f"engine{len(started)}.log",
+                                list(extra))
+        started.append(engine)
+        engine.wait_ready()
+        return engine.url
+
+    yield start
+    for engine in started:
+        engine.stop()
+
+
+@pytest.fixture(scope="session")
+def engine_url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A shared engine serving `tiny_model_dir`, for tests that do not change its state."""
+    engine = _EngineProcess(tiny_model_dir, tmp_path_factory.mktemp("engine") / "engine.log", [])
+    try:
+        engine.wait_ready()
+        yield engine.url
+    finally:
+        engine.stop()

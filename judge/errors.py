@@ -1,0 +1,53 @@
+"""The judge's exception tree.
+
+Foreign errors (httpx transport errors and timeouts, engine HTTP errors, psycopg errors) are
+translated into these at one boundary each (judge/backends.py for HTTP) with
+`raise … from exc`. The worker only asks one question of an error: transient (retry the job
+with backoff) or permanent (record the failure now).
+"""
+
+from __future__ import annotations
+
+
+class JudgeError(Exception):
+    """Base class; `transient` says whether retrying the job may succeed."""
+
+    transient: bool = False
+
+
+class BackendUnavailable(JudgeError):
+    """The judge or teacher endpoint could not be reached, timed out, or answered 5xx/429."""
+
+    transient = True
+
+
+class BackendRejected(JudgeError):
+    """The endpoint answered 4xx to a well-formed request (bad key, unknown model, ...)."""
+
+    transient = False
+
+
+class BadBackendResponse(JudgeError):
+    """The endpoint answered 200 with a body that is not what the protocol promises."""
+
+    transient = True
+
+
+class PromptTooLong(JudgeError):
+    """The teacher prompt plus the response does not fit the model's context."""
+
+    transient = False
+
+
+class JobInvalid(JudgeError):
+    """The job cannot be judged: its turn is gone or has no next state."""
+
+    transient = False
+
+
+def first_error(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    """The first leaf of an ExceptionGroup (asyncio.TaskGroup wraps failures in one)."""
+    first: BaseException = group
+    while isinstance(first, BaseExceptionGroup):
+        first = first.exceptions[0]
+    return first

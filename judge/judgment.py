@@ -1,0 +1,198 @@
+"""Judging one turn and storing the verdict: the body of a judge job.
+
+`judge_job` reads the turn, decides whether it is judged at all, runs the PRM votes and the
+hint votes concurrently, computes teacher logprobs for an accepted hint, and writes — in ONE
+transaction together with marking the job done — the `judgments` row and, for a trainable
+turn, the `samples` row. If the job's lease was taken over meanwhile, nothing is written.
+
+Never judged (job done, no judgment): user opted out of training, side turns.
+Judged as skipped (judgment with reason, no votes, no sample): turn status not ok, empty
+response, response cut off by the length limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+from sqlalchemy import insert, select, update
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from judge.backends import ChatBackend
+from judge.config import JudgeSettings
+from judge.errors import JobInvalid, first_error
+from judge.hints import HintResult, extract_hint
+from judge.prm import PrmResult, score_turn
+from judge.prompts import FeedbackItem, render_fields, render_hint, render_prm
+from judge.teacher import TeacherEngine, TeacherResult, compute_teacher_logprobs
+from proxy.db import Feedback, Judgment, Sample, Turn, User
+from proxy.jobs import ClaimedJob, complete_stmt
+
+log = logging.getLogger("clawrl.judge")
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a job ended as, for logs and tests."""
+
+    action: str  # judged | skipped | not_judged | lease_lost
+    judgment_id: int | None = None
+    sample_id: int | None = None
+    reward: int | None = None
+    reason: str | None = None
+
+
+@dataclass(frozen=True)
+class Verdict:
+    prm: PrmResult | None
+    hints: HintResult | None
+    teacher: TeacherResult | None
+    reason: str | None
+
+
+def skip_reason(turn: Turn) -> str | None:
+    """Why a continued main turn is judged as skipped, or None to judge it."""
+    if turn.status != "ok":
+        return f"skipped: turn status {turn.status}"
+    if not turn.response_ids:
+        return "skipped: empty response"
+    if turn.finish_reason == "length":
+        return "skipped: response cut off by the length limit"
+    return None
+
+
+def sample_blocker(turn: Turn, reward: int | None, teacher: list[float] | None) -> str | None:
+    """Why a judged turn gets no sample, or None when it is trainable."""
+    if reward is None and teacher is None:
+        return "no sample: no reward and no teacher logprobs"
+    if not turn.prompt_ids or not turn.response_ids:
+        return "no sample: token ids missing"
+    if turn.response_logprobs is None or len(turn.response_logprobs) != len(turn.response_ids):
+        return "no sample: rollout logprobs missing or misaligned"
+    return None
+
+
+async def load_turn(conn: AsyncConnection, turn_id: int) -> tuple[Turn, bool, list[FeedbackItem]]:
+    table = Turn.__table__
+    row = (await conn.execute(
+        select(table, User.train_opt_out).join(User, User.id == table.c.user_id)
+        .where(table.c.id == turn_id))).first()
+    if row is None:
+        raise JobInvalid(f"turn {turn_id} does not exist")
+    feedback = (await conn.execute(
+        select(Feedback.rating, Feedback.text).where(Feedback.turn_id == turn_id)
+        .order_by(Feedback.created_at, Feedback.id))).all()
+    turn = Turn(**{c.key: row._mapping[c] for c in table.columns})
+    return turn, bool(row.train_opt_out), [FeedbackItem(rating=f.rating, text=f.text) for f in feedback]
+
+
+async def run_judges(turn: Turn, feedback: list[FeedbackItem], *, settings: JudgeSettings,
+                     backend: ChatBackend, teacher: TeacherEngine | None,
+                     prompt_version: str) -> Verdict:
+    fields = render_fields(turn.request_messages or [], turn.response_message, turn.next_state,
+                           feedback)
+    temperature, max_tokens = settings.temperature, settings.max_tokens
+    try:
+        async with asyncio.TaskGroup() as tg:  # PRM and hint votes all at once
+            prm_task = tg.create_task(score_turn(
+                backend, render_prm(fields, prompt_version), votes=settings.votes,
+                temperature=temperature, max_tokens=max_tokens))
+            hint_task = tg.create_task(extract_hint(
+                backend, render_hint(fields, prompt_version), votes=settings.hint_votes,
+                min_chars=settings.min_hint_chars, temperature=temperature,
+                max_tokens=max_tokens))
+    except BaseExceptionGroup as group:
+        raise first_error(group) from None
+    prm, hints = prm_task.result(), hint_task.result()
+    teacher_result: TeacherResult | None = None
+    if hints.hint is not None and teacher is not None:
+        teacher_result = await compute_teacher_logprobs(
+            teacher, request_messages=turn.request_messages or [], tools=turn.tools,
+            hint=hints.hint, response_ids=turn.response_ids or [], prompt_version=prompt_version)
+    elif hints.hint is not None:
+        teacher_result = TeacherResult(None, "teacher: disabled")
+    return Verdict(prm=prm, hints=hints, teacher=teacher_result,
+                   reason=teacher_result.reason if teacher_result else None)
+
+
+async def store_verdict(conn: AsyncConnection, job: ClaimedJob, worker: str, turn: Turn,
+                        verdict: Verdict, prompt_version: str) -> Outcome:
+    """Judgment (+ sample) + job done, in the caller's transaction. Returns lease_lost
+    (and the caller rolls back) when the job is no longer ours."""
+    opted_out = (await conn.execute(
+        select(User.train_opt_out).where(User.id == turn.user_id).with_for_update(read=True)
+    )).scalar_one_or_none()
+    if opted_out is None or opted_out:
+        return await finish_unjudged(conn, job, worker, "not judged: user opted out of training")
+    prm, hints, teacher = verdict.prm, verdict.hints, verdict.teacher
+    reward = prm.reward if prm else None
+    teacher_lp = teacher.logprobs if teacher else None
+    # A skipped turn gets no sample for the skip reason; a judged one may lack a signal.
+    blocker = verdict.reason if prm is None else sample_blocker(turn, reward, teacher_lp)
+    reason = "; ".join(r for r in dict.fromkeys((verdict.reason, blocker)) if r) or None
+    judgment_id = (await conn.execute(insert(Judgment).values(
+        turn_id=turn.id, prompt_version=prompt_version,
+        judge_model=prm.judge_model if prm else None, reward=reward,
+        votes=[v.as_json() for v in prm.votes] if prm else [],
+        hint=hints.hint if hints else None,
+        hint_votes=[v.as_json() for v in hints.votes] if hints else [],
+        teacher_logprobs=teacher_lp,
+        reason=reason,
+    ).returning(Judgment.id))).scalar_one()
+    # A newer judgment replaces an older one that the trainer has not used yet (rejudge).
+    await conn.execute(update(Sample).where(
+        Sample.turn_id == turn.id, Sample.trained_step.is_(None),
+        Sample.skipped_reason.is_(None)).values(skipped_reason="superseded"))
+    sample_id = None
+    if blocker is None:
+        sample_id = (await conn.execute(insert(Sample).values(
+            turn_id=turn.id, judgment_id=judgment_id, user_id=turn.user_id,
+            prompt_ids=turn.prompt_ids, response_ids=turn.response_ids,
+            rollout_logprobs=turn.response_logprobs, weight_version=turn.weight_version,
+            reward=reward, teacher_logprobs=teacher_lp,
+        ).returning(Sample.id))).scalar_one()
+    if (await conn.execute(complete_stmt(job.id, worker))).first() is None:
+        return Outcome("lease_lost")
+    action = "skipped" if verdict.prm is None else "judged"
+    return Outcome(action, judgment_id=judgment_id, sample_id=sample_id, reward=reward,
+                   reason=blocker or verdict.reason)
+
+
+async def finish_unjudged(conn: AsyncConnection, job: ClaimedJob, worker: str,
+                          note: str) -> Outcome:
+    if (await conn.execute(complete_stmt(job.id, worker, note=note))).first() is None:
+        return Outcome("lease_lost")
+    return Outcome("not_judged", reason=note)
+
+
+async def judge_job(db: AsyncEngine, job: ClaimedJob, worker: str, *, settings: JudgeSettings,
+                    backend: ChatBackend, teacher: TeacherEngine | None) -> Outcome:
+    """Judge the job's turn and store the result. Raises JudgeError (or a DB error) on
+    failure; the worker decides between retry and recorded failure."""
+    if job.turn_id is None:
+        raise JobInvalid("judge job without a turn_id")
+    prompt_version = str(job.payload.get("prompt_version") or settings.prompt_version)
+    async with db.connect() as conn:
+        turn, opted_out, feedback = await load_turn(conn, job.turn_id)
+    if opted_out or turn.kind != "main":
+        note = ("not judged: user opted out of training" if opted_out
+                else f"not judged: {turn.kind} turn")
+        async with db.begin() as conn:
+            return await finish_unjudged(conn, job, worker, note)
+    if turn.next_state is None:
+        raise JobInvalid(f"turn {turn.id} has no next state")
+    reason = skip_reason(turn)
+    if reason is not None:
+        verdict = Verdict(prm=None, hints=None, teacher=None, reason=reason)
+    else:
+        verdict = await run_judges(turn, feedback, settings=settings, backend=backend,
+                                   teacher=teacher if settings.teacher_enabled else None,
+                                   prompt_version=prompt_version)
+    async with db.connect() as conn:
+        async with conn.begin() as tx:
+            outcome = await store_verdict(conn, job, worker, turn, verdict, prompt_version)
+            if outcome.action == "lease_lost":
+                await tx.rollback()
+    return outcome
+

@@ -1,0 +1,187 @@
+"""The proxy application: `create_app(settings)` and the `clawrl proxy` entry point.
+
+    clawrl proxy [--host 127.0.0.1] [--port 8000]
+
+Settings come from the environment (`CLAWRL_ENGINE__URL`, `CLAWRL_DATABASE__URL`, ...;
+see proxy/settings.py); with no database URL an embedded Postgres is started. The database
+must be migrated (`clawrl db upgrade`; `clawrl up` does it).
+
+Shared resources live in the lifespan: one `httpx.AsyncClient` to the engine, one async
+SQLAlchemy engine, and the background tasks — the turn writer, the session-timeout sweep
+and the weight-version poll.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import importlib
+import logging
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from sqlalchemy.exc import ArgumentError, SQLAlchemyError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from proxy.auth import Authenticator
+from proxy.db import create_async
+from proxy.errors import ClawrlError, NotFound
+from proxy.journal import Journal
+from proxy.metrics import MetricsMiddleware, ProxyMetrics
+from proxy.routes import router
+from proxy.sessions import close_stale_turns
+from proxy.settings import Settings, load_settings
+from proxy.store import TurnWriter
+from proxy.upstream import Upstream, create_client
+
+log = logging.getLogger("clawrl.proxy")
+
+WEIGHT_VERSION_POLL_S = 5.0
+
+
+async def _every(seconds: float, action: Callable[[], Awaitable[Any]], name: str) -> None:
+    """Run `action` periodically until cancelled; a failure is logged, never fatal."""
+    while True:
+        await asyncio.sleep(seconds)
+        try:
+            await action()
+        except (SQLAlchemyError, OSError, httpx.HTTPError, ClawrlError) as exc:
+            log.debug("%s failed: %s", name, exc, extra={"action": name})
+
+
+def _error_response(exc: ClawrlError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers or None)
+
+
+async def _on_clawrl_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, ClawrlError)
+    return _error_response(exc)
+
+
+async def _on_http_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    if exc.status_code == 404:
+        return _error_response(NotFound(f"Unknown path: {request.url.path}"))
+    error = ClawrlError(str(exc.detail), code="http_error")
+    error.status = exc.status_code
+    error.type = "invalid_request_error" if exc.status_code < 500 else "api_error"
+    return _error_response(error)
+
+
+async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+    log.exception("unhandled error on %s", request.url.path, extra={"action": "crash"})
+    return _error_response(ClawrlError("The proxy failed unexpectedly."))
+
+
+def create_app(settings: Settings, *, db_url: str | None = None,
+               engine_transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:
+    """The proxy app. `db_url` defaults to `settings.database.url`; `engine_transport`
+    replaces the engine connection (tests inject faults through it)."""
+    if db_url is None:
+        if settings.database.url is None:
+            raise ValueError("create_app needs a database URL (settings.database.url)")
+        db_url = settings.database.url.get_secret_value()
+    cfg = settings.proxy
+    journal = Journal(settings.journal_file())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        db = create_async(db_url, pool_size=settings.database.pool_size,
+                          connect_args={"connect_timeout": 5})
+        client = create_client(settings.engine, engine_transport)
+        writer = TurnWriter(db, journal, include_system=cfg.fingerprint_system)
+        app.state.db, app.state.writer = db, writer
+        app.state.upstream = Upstream(client)
+        app.state.authenticator = Authenticator(db, cfg)
+        writer.start()
+
+        async def sweep() -> None:
+            async with db.begin() as conn:
+                await close_stale_turns(conn, cfg.session_timeout_s)
+
+        tasks = [asyncio.create_task(_every(min(60.0, cfg.session_timeout_s / 4), sweep,
+                                            "close_stale_turns")),
+                 asyncio.create_task(_every(WEIGHT_VERSION_POLL_S, app.state.upstream.model_info,
+                                            "poll_weight_version"))]
+        try:
+            yield
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await writer.stop()
+            await client.aclose()
+            await db.dispose()
+
+    app = FastAPI(title="clawrl proxy", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.state.settings = settings
+    # Read through the app state, so the gauges follow the writer of the running lifespan.
+    app.state.metrics = ProxyMetrics(
+        backlog=lambda: float(app.state.writer.backlog) if hasattr(app.state, "writer") else 0,
+        journal=lambda: float(journal.pending))
+    app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
+    app.add_exception_handler(ClawrlError, _on_clawrl_error)
+    app.add_exception_handler(StarletteHTTPException, _on_http_error)
+    app.add_exception_handler(Exception, _on_unexpected)
+    app.include_router(router)
+    try:  # H2b's admin API, when present
+        admin = importlib.import_module("proxy.admin")
+    except ImportError:
+        admin = None
+    if admin is not None and hasattr(admin, "admin_router"):
+        app.include_router(admin.admin_router)
+    return app
+
+
+def _check_url(url: str, what: str) -> str | None:
+    try:
+        parsed = httpx.URL(url)
+    except (httpx.InvalidURL, TypeError) as exc:
+        return f"invalid {what} URL {url!r}: {exc}"
+    if parsed.scheme not in ("http", "https") or not parsed.host:
+        return f"invalid {what} URL {url!r}: expected http(s)://host:port"
+    return None
+
+
+def main(argv: list[str]) -> int:
+    settings = load_settings()
+    parser = argparse.ArgumentParser(prog="clawrl proxy",
+                                     description="Run the OpenAI-compatible proxy.")
+    parser.add_argument("--host", default=settings.proxy.host)
+    parser.add_argument("--port", type=int, default=settings.proxy.port)
+    parser.add_argument("--engine-url", default=settings.engine.url,
+                        help="the serving engine (SGLang or `clawrl engine`)")
+    parser.add_argument("--log-level", default="info")
+    parser.add_argument("--access-log", action="store_true", help="log every request")
+    args = parser.parse_args(argv)
+    problem = _check_url(args.engine_url, "engine")
+    if problem:
+        print(f"clawrl proxy: {problem}", file=sys.stderr)
+        return 2
+    settings.engine.url = args.engine_url
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    from proxy import dbcli
+
+    try:
+        url = dbcli.resolve_url(settings)
+        app = create_app(settings, db_url=url)
+        create_async(url)  # validates the URL's form now rather than at the first request
+    except (ArgumentError, ValueError, OSError) as exc:
+        print(f"clawrl proxy: bad database URL: {exc}", file=sys.stderr)
+        return 2
+    import uvicorn
+
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
+                access_log=args.access_log)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,59 @@
+"""The turn record: everything the proxy logs about one request, as plain data.
+
+Built on the request path, handed to the background writer (proxy/store.py), written to
+Postgres by proxy/sessions.py or, while Postgres is unreachable, to the JSONL journal
+(proxy/journal.py) — hence plain JSON-compatible fields only.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class TurnRecord:
+    uid: str
+    user_id: int
+    api_key_id: int | None
+    request_messages: list[dict[str, Any]]
+    params: dict[str, Any]
+    tools: list[Any] | None = None
+    kind: str = "main"  # 'main' or 'side'
+    # From the headers: `X-Session-Id` and `X-Session-Done`.
+    session_external_id: str | None = None
+    session_done: bool = False
+    train_opt_out: bool = False
+    response_message: dict[str, Any] | None = None
+    prompt_ids: list[int] | None = None
+    response_ids: list[int] | None = None
+    response_logprobs: list[float] | None = None
+    weight_version: str | None = None
+    finish_reason: str | None = None
+    status: str = "ok"  # 'ok', 'client_disconnected', 'engine_error'
+    error: str | None = None
+    latency_ms: float | None = None
+    created_at: str = field(
+        default_factory=lambda: dt.datetime.now(dt.UTC).isoformat())
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> TurnRecord:
+        return cls(**data)
+
+    def row(self) -> dict[str, Any]:
+        """Column values for the `turns` insert (session columns are added by the caller)."""
+        return {
+            "uid": uuid.UUID(self.uid), "user_id": self.user_id, "api_key_id": self.api_key_id,
+            "kind": self.kind, "request_messages": self.request_messages,
+            "tools": self.tools, "params": self.params,
+            "response_message": self.response_message, "prompt_ids": self.prompt_ids,
+            "response_ids": self.response_ids, "response_logprobs": self.response_logprobs,
+            "weight_version": self.weight_version, "finish_reason": self.finish_reason,
+            "status": self.status, "error": self.error, "latency_ms": self.latency_ms,
+            "created_at": dt.datetime.fromisoformat(self.created_at),
+        }

@@ -1,0 +1,220 @@
+"""Session inference: which earlier turn does a new request continue?
+
+Chat clients resend the whole conversation on every request. A request continues an
+earlier turn T when its messages start with T's request messages followed by T's reply.
+Each stored turn carries `context_fingerprint` = sha256 of its canonical "request messages +
+reply"; a new request computes the fingerprint of every prefix of its messages that ends
+with an assistant message and looks for the longest one among the same user's OPEN main
+turns. The messages after the matched prefix (the user's next message, or tool results)
+are that turn's next state: they are attached to it, and a judge job enqueued, in the same
+transaction that records the new turn.
+
+Canonical form (so cosmetic differences do not break a match, real edits do): role, text
+(content parts joined, surrounding whitespace and `<think>` blocks stripped), tool calls as
+(name, arguments as canonical JSON); reasoning fields, names and tool call ids are ignored.
+System/developer messages are left out by default because agent frameworks rewrite them on
+every request (`proxy.fingerprint_system`).
+
+A match consumes the turn (it is no longer open), and candidates are locked with
+`FOR UPDATE SKIP LOCKED`, so two concurrent sessions with identical openings each continue
+a different turn. A turn never continued is closed by `close_stale_turns` after the session
+timeout and is never trained.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from sqlalchemy import bindparam, func, select, text, update
+from sqlalchemy.dialects.postgresql import BYTEA
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.ext.asyncio import AsyncConnection
+from sqlalchemy.types import ARRAY
+
+from proxy.db import ChatSession, Turn
+from proxy.jobs import enqueue_stmt, notify_stmt
+from proxy.records import TurnRecord
+
+_THINK = re.compile(r"<think>.*?</think>", re.DOTALL)
+_SYSTEM_ROLES = frozenset({"system", "developer"})
+_SEP = b"\x1e"  # record separator between canonical messages in the hash stream
+
+# Explicit `X-Session-Id`s map to stable session UUIDs, so the proxy can answer
+# `X-Clawrl-Session-Id` without asking the database.
+_SESSION_NS = uuid.UUID("6f6b1d8e-3c1a-4e55-9a2b-1c7d0c1a5e10")
+
+
+def explicit_session_id(user_id: int, external_id: str) -> uuid.UUID:
+    return uuid.uuid5(_SESSION_NS, f"{user_id}/{external_id}")
+
+
+def _text(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "\n".join(str(p.get("text") or "") for p in content
+                         if isinstance(p, dict) and p.get("type") == "text")
+    return str(content)
+
+
+def _arguments(raw: Any) -> Any:
+    if isinstance(raw, str):
+        try:
+            return json.loads(raw)
+        except ValueError:
+            return raw.strip()
+    return raw
+
+
+def canonical_message(message: dict[str, Any]) -> bytes:
+    """The parts of a message that identify it in a conversation, as stable bytes."""
+    role = message.get("role")
+    body = _text(message.get("content"))
+    if role == "assistant":
+        body = _THINK.sub("", body)
+    calls = [[(c.get("function") or {}).get("name"),
+              _arguments((c.get("function") or {}).get("arguments"))]
+             for c in message.get("tool_calls") or [] if isinstance(c, dict)]
+    return json.dumps([role, body.strip(), calls], sort_keys=True, ensure_ascii=False,
+                      separators=(",", ":")).encode()
+
+
+def _included(message: dict[str, Any], include_system: bool) -> bool:
+    return include_system or message.get("role") not in _SYSTEM_ROLES
+
+
+def context_fingerprint(messages: Sequence[dict[str, Any]], reply: dict[str, Any],
+                        *, include_system: bool) -> bytes:
+    """sha256 of a turn's canonical request messages followed by its reply."""
+    h = hashlib.sha256()
+    for message in [*messages, reply]:
+        if _included(message, include_system):
+            h.update(canonical_message(message) + _SEP)
+    return h.digest()
+
+
+def prefix_fingerprints(messages: Sequence[dict[str, Any]],
+                        *, include_system: bool) -> list[tuple[int, bytes]]:
+    """(prefix length, fingerprint) for every proper prefix ending with an assistant
+    message, longest first; hashed incrementally, so this is linear in the request size."""
+    h = hashlib.sha256()
+    found: list[tuple[int, bytes]] = []
+    for i, message in enumerate(messages):
+        if _included(message, include_system):
+            h.update(canonical_message(message) + _SEP)
+        if message.get("role") == "assistant" and i + 1 < len(messages):
+            found.append((i + 1, h.copy().digest()))
+    found.reverse()
+    return found
+
+
+_MATCH = (
+    select(Turn.id, Turn.session_id, Turn.index_in_session, Turn.context_fingerprint)
+    .where(Turn.user_id == bindparam("user_id"), Turn.state == "open", Turn.kind == "main",
+           Turn.context_fingerprint == func.any(bindparam("fps", type_=ARRAY(BYTEA))))
+    # Longest prefix first (fps is ordered longest first), then the oldest turn.
+    .order_by(func.array_position(bindparam("fps", type_=ARRAY(BYTEA)),
+                                  Turn.context_fingerprint), Turn.id)
+    .limit(1)
+    .with_for_update(skip_locked=True)
+)
+
+
+async def _find_continued(conn: AsyncConnection, rec: TurnRecord, session_id: uuid.UUID | None,
+                          include_system: bool) -> tuple[Any, int] | None:
+    """The open turn this request continues and the matched prefix length, if any."""
+    prefixes = prefix_fingerprints(rec.request_messages, include_system=include_system)
+    if not prefixes:
+        return None
+    query = _MATCH
+    if session_id is not None:  # an explicit session only continues its own turns
+        query = query.where(Turn.session_id == session_id)
+    row = (await conn.execute(query, {"user_id": rec.user_id,
+                                      "fps": [fp for _, fp in prefixes]})).first()
+    if row is None:
+        return None
+    length = next(n for n, fp in prefixes if fp == row.context_fingerprint)
+    return row, length
+
+
+async def _upsert_session(conn: AsyncConnection, rec: TurnRecord, session_id: uuid.UUID,
+                          external_id: str | None) -> None:
+    stmt = pg_insert(ChatSession).values(
+        id=session_id, user_id=rec.user_id, external_id=external_id,
+        closed_at=func.now() if rec.session_done else None)
+    await conn.execute(stmt.on_conflict_do_update(
+        index_elements=[ChatSession.id],
+        set_={"last_turn_at": func.now(),
+              "closed_at": func.now() if rec.session_done else None}))
+
+
+async def _next_index(conn: AsyncConnection, session_id: uuid.UUID) -> int:
+    last = (await conn.execute(select(func.max(Turn.index_in_session))
+                               .where(Turn.session_id == session_id))).scalar()
+    return 0 if last is None else int(last) + 1
+
+
+async def record_turn(conn: AsyncConnection, rec: TurnRecord, *, include_system: bool) -> bool:
+    """Insert one turn, inferring its session and attaching it as the next state of the turn
+    it continues (plus a judge job). Returns False when the uid was already stored."""
+    explicit = (explicit_session_id(rec.user_id, rec.session_external_id)
+                if rec.session_external_id else None)
+    main_ok = rec.kind == "main" and rec.status == "ok"
+    continued = await _find_continued(conn, rec, explicit, include_system) if main_ok else None
+    if continued is not None:
+        matched, prefix_len = continued
+        session_id: uuid.UUID | None = matched.session_id
+        index = int(matched.index_in_session) + 1
+    elif explicit is not None:
+        session_id, index = explicit, -1
+    elif main_ok:
+        session_id, index = uuid.uuid4(), 0
+    else:  # a side or failed turn outside any explicit session stands alone
+        session_id, index = None, 0
+
+    if session_id is not None:
+        await _upsert_session(conn, rec, session_id, rec.session_external_id)
+        if index < 0:
+            index = await _next_index(conn, session_id)
+
+    fingerprint = (context_fingerprint(rec.request_messages, rec.response_message or {},
+                                       include_system=include_system) if main_ok else None)
+    state = "open" if main_ok and not rec.session_done else "closed"
+    new_id = (await conn.execute(
+        pg_insert(Turn).values(**rec.row(), session_id=session_id, index_in_session=index,
+                               context_fingerprint=fingerprint, state=state)
+        .on_conflict_do_nothing(index_elements=[Turn.uid]).returning(Turn.id))).scalar()
+    if new_id is None:
+        return False
+
+    if continued is not None:
+        await conn.execute(update(Turn).where(Turn.id == matched.id).values(
+            state="continued", next_state=rec.request_messages[prefix_len:],
+            next_turn_id=new_id, next_state_at=func.now()))
+        if not rec.train_opt_out:
+            await conn.execute(enqueue_stmt("judge", matched.id))
+            await conn.execute(notify_stmt("judge"))
+    if rec.session_done and session_id is not None:
+        await conn.execute(update(Turn).where(Turn.session_id == session_id,
+                                              Turn.state == "open").values(state="closed"))
+    return True
+
+
+async def close_stale_turns(conn: AsyncConnection, timeout_s: float) -> int:
+    """Close open turns (and idle sessions) older than the session timeout."""
+    cutoff = text("now() - make_interval(secs => :secs)").bindparams(secs=timeout_s)
+    closed = await conn.execute(update(Turn).where(Turn.state == "open",
+                                                   Turn.created_at < cutoff)
+                                .values(state="closed"))
+    await conn.execute(update(ChatSession).where(ChatSession.closed_at.is_(None),
+                                                 ChatSession.last_turn_at < cutoff)
+                       .values(closed_at=func.now()))
+    return int(closed.rowcount or 0)
+

@@ -1,0 +1,184 @@
+"""Streaming relay: engine SSE chunks to the client as they arrive, and the reply collected.
+
+Each engine chunk is forwarded the moment it is read (true incremental SSE), minus what
+only the proxy asked for (logprobs the client did not request, the final `sglext` ids
+chunk). On the way the reply is collected for the turn log: content, reasoning, tool calls
+(merged from their deltas), finish reason, per-token logprobs and the exact prompt/response
+token ids from the `sglext` chunk.
+
+Endings: `[DONE]` -> status 'ok'; an engine error chunk, a broken or timed-out connection,
+or a stream that ends before a finish reason -> one final OpenAI-shaped error event and
+status 'engine_error'; the client going away -> the upstream request is closed at once
+(so the engine stops generating) and the turn is 'client_disconnected'.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import httpx
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from proxy.errors import ClawrlError, UpstreamError
+from proxy.upstream import translate
+
+DONE = b"data: [DONE]\n\n"
+
+
+@dataclass
+class StreamCollector:
+    """The reply as it accumulates from `chat.completion.chunk` deltas (choice 0)."""
+
+    content: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
+    tool_calls: dict[int, dict[str, Any]] = field(default_factory=dict)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    prompt_ids: list[int] | None = None
+    response_ids: list[int] | None = None
+    weight_version: str | None = None
+    usage: dict[str, Any] = field(default_factory=dict)
+
+    def add(self, chunk: dict[str, Any]) -> None:
+        sglext = chunk.get("sglext")
+        if sglext:
+            self.prompt_ids = sglext.get("input_ids") or self.prompt_ids
+            outputs = sglext.get("output_ids")
+            if outputs:
+                self.response_ids = outputs[0]
+        if chunk.get("usage"):
+            self.usage = chunk["usage"]
+        version = (chunk.get("metadata") or {}).get("weight_version")
+        if version is not None:
+            self.weight_version = str(version)
+        for choice in chunk.get("choices") or []:
+            if choice.get("index", 0) == 0:
+                self._add_choice(choice)
+
+    def _add_choice(self, choice: dict[str, Any]) -> None:
+        delta = choice.get("delta") or {}
+        if delta.get("content"):
+            self.content.append(delta["content"])
+        if delta.get("reasoning_content"):
+            self.reasoning.append(delta["reasoning_content"])
+        for call in delta.get("tool_calls") or []:
+            entry = self.tool_calls.setdefault(int(call.get("index") or 0), {
+                "id": None, "type": "function", "function": {"name": "", "arguments": ""}})
+            if call.get("id"):
+                entry["id"] = call["id"]
+            function = call.get("function") or {}
+            if function.get("name") and not entry["function"]["name"]:
+                entry["function"]["name"] = function["name"]
+            if function.get("arguments"):
+                entry["function"]["arguments"] += function["arguments"]
+        for token in (choice.get("logprobs") or {}).get("content") or []:
+            self.logprobs.append(float(token["logprob"]))
+        if choice.get("finish_reason"):
+            self.finish_reason = choice["finish_reason"]
+
+    def message(self) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(self.content)}
+        if self.tool_calls:
+            message["tool_calls"] = [self.tool_calls[i] for i in sorted(self.tool_calls)]
+        if self.reasoning:
+            message["reasoning_content"] = "".join(self.reasoning)
+        return message
+
+
+async def iter_data(response: httpx.Response) -> AsyncIterator[str]:
+    """The `data` payload of each server-sent event, as soon as its block is complete."""
+    buffer = b""
+    async for piece in response.aiter_bytes():
+        buffer += piece.replace(b"\r\n", b"\n")
+        while b"\n\n" in buffer:
+            block, buffer = buffer.split(b"\n\n", 1)
+            data = [line[5:].removeprefix(b" ") for line in block.split(b"\n")
+                    if line.startswith(b"data:")]
+            if data:
+                yield b"\n".join(data).decode()
+
+
+def error_event(error: ClawrlError) -> bytes:
+    return b"data: " + json.dumps(error.body()).encode() + b"\n\n"
+
+
+def _engine_error(chunk: dict[str, Any]) -> ClawrlError | None:
+    if chunk.get("object") == "error":
+        return UpstreamError(f"The engine failed mid-stream: {chunk.get('message')}")
+    inner = chunk.get("error")
+    if inner:
+        message = inner.get("message") if isinstance(inner, dict) else inner
+        return UpstreamError(f"The engine failed mid-stream: {message}")
+    return None
+
+
+def client_chunk(chunk: dict[str, Any], *, wants_logprobs: bool) -> bytes | None:
+    """The SSE event to forward for an engine chunk, or None when it is proxy-only."""
+    if chunk.pop("sglext", None) is not None and not chunk.get("choices") \
+            and not chunk.get("usage"):
+        return None
+    if not wants_logprobs:
+        for choice in chunk.get("choices") or []:
+            choice["logprobs"] = None
+    return b"data: " + json.dumps(chunk, ensure_ascii=False).encode() + b"\n\n"
+
+
+Finish = Callable[[StreamCollector, str, str | None], None]
+
+
+async def relay(upstream: httpx.Response, *, wants_logprobs: bool,
+                finish: Finish) -> AsyncIterator[bytes]:
+    """Forward an open engine stream; `finish(collector, status, error)` runs exactly once."""
+    collector = StreamCollector()
+    status, error = "client_disconnected", None
+    try:
+        failure: ClawrlError | None = None
+        try:
+            async for data in iter_data(upstream):
+                if data.strip() == "[DONE]":
+                    break
+                try:
+                    chunk = json.loads(data)
+                except ValueError:
+                    failure = UpstreamError("The engine sent an unreadable stream chunk.")
+                    break
+                failure = _engine_error(chunk)
+                if failure is not None:
+                    break
+                collector.add(chunk)
+                out = client_chunk(chunk, wants_logprobs=wants_logprobs)
+                if out is not None:
+                    yield out
+        except httpx.HTTPError as exc:
+            failure = translate(exc)
+        if failure is None and collector.finish_reason is None:
+            failure = UpstreamError("The engine ended the stream before the reply finished.")
+        if failure is not None:
+            status, error = "engine_error", failure.message
+            yield error_event(failure)
+        else:
+            status = "ok"
+        yield DONE
+    finally:
+        with anyio.CancelScope(shield=True):
+            await upstream.aclose()
+        finish(collector, status, error)
+
+
+class RelayResponse(StreamingResponse):
+    """A StreamingResponse that always closes its iterator when the response ends, so a
+    client that disconnects closes the upstream request now, not at garbage collection."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            closer = getattr(self.body_iterator, "aclose", None)
+            if closer is not None:
+                with anyio.CancelScope(shield=True):
+                    await closer()

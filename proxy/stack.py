@@ -1,0 +1,320 @@
+"""`clawrl up`: the whole stack on one machine, on embedded defaults.
+
+    clawrl up [--state-dir .clawrl] [--model DIR] [--proxy-port 8000] [--engine-port 30000]
+              [--no-judge] [--no-train] [--exit-after-ready]
+
+1. Postgres: `CLAWRL_DATABASE__URL`, or an embedded server with its data under
+   `<state-dir>/pg` (stopped when this command exits); migrations run to head.
+2. Model: `--model DIR`, or the tiny world model cached at `<state-dir>/models/tinyworld`
+   (built with `clawrl tinyworld build` when that exists, else `clawrl tinyworld init`).
+3. Children, each its own process logging to `<state-dir>/logs/NAME.log`: the engine, the
+   proxy, and, when their packages are installed, a judge worker and the trainer. They get
+   the database URL through `CLAWRL_DATABASE__URL`.
+4. A user "demo" (reused) and a fresh API key are printed with the base URL and examples.
+
+Ctrl-C or SIGTERM stops the children (proxy first, engine last), then Postgres. A child
+that dies takes the stack down with a non-zero exit and the tail of its log. Nothing reads
+stdin, so it runs the same under CI. `--exit-after-ready` stops as soon as all is up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import IO
+
+import httpx
+from sqlalchemy.exc import ArgumentError, DBAPIError
+
+from proxy import admin
+from proxy.console import first_line
+from proxy.db import create_async
+from proxy.dbcli import resolve_url, stop_embedded, upgrade
+from proxy.settings import load_settings
+
+HOST = "127.0.0.1"
+# Children are stopped in this order (the proxy stops taking requests first).
+STOP_ORDER = ("proxy", "judge", "train", "engine")
+
+
+class StackError(Exception):
+    """A step of `clawrl up` failed; the message is one line for the terminal."""
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    log: IO[bytes] = field(repr=False)
+
+    def tail(self, lines: int = 15) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join("    " + line for line in text[-lines:])
+
+
+class Stack:
+    """The child processes of one `clawrl up`, started and stopped in order."""
+
+    def __init__(self, state_dir: Path, env: dict[str, str]) -> None:
+        self.logs = state_dir / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.env = env
+        self.children: dict[str, Child] = {}
+
+    def start(self, name: str, args: list[str]) -> Child:
+        log_path = self.logs / f"{name}.log"
+        log = log_path.open("ab")
+        log.write(f"\n=== clawrl up: {' '.join(args)} ===\n".encode())
+        log.flush()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "proxy.cli", *args], env=self.env, stdin=subprocess.DEVNULL,
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            preexec_fn=_die_with_parent)
+        child = Child(name, proc, log_path, log)
+        self.children[name] = child
+        return child
+
+    def dead(self) -> Child | None:
+        return next((c for c in self.children.values() if c.proc.poll() is not None), None)
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        names = [n for n in STOP_ORDER if n in self.children]
+        names += [n for n in self.children if n not in names]
+        for name in names:
+            child = self.children[name]
+            if child.proc.poll() is None:
+                child.proc.send_signal(signal.SIGTERM)
+                try:
+                    child.proc.wait(timeout_s)
+                except subprocess.TimeoutExpired:
+                    print(f"  {name} did not stop in {timeout_s:.0f} s; killing it", flush=True)
+                    child.proc.kill()
+                    child.proc.wait()
+            child.log.close()
+        self.children.clear()
+
+
+def _die_with_parent() -> None:
+    """In the child: get SIGTERM if `clawrl up` itself is killed (Linux), never orphaned."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _check_port_free(port: int, what: str) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((HOST, port))
+        except OSError as exc:
+            raise StackError(f"port {port} for the {what} is in use ({exc.strerror}); "
+                             f"pick another with --{what}-port") from exc
+
+
+def wait_healthy(stack: Stack, child: Child, url: str, timeout_s: float) -> None:
+    """Poll `url` until it answers 200; fail early if the child exits."""
+    deadline = time.monotonic() + timeout_s
+    with httpx.Client(timeout=2.0) as http:
+        while time.monotonic() < deadline:
+            if child.proc.poll() is not None:
+                raise StackError(f"the {child.name} exited with code {child.proc.returncode} "
+                                 f"while starting; see {child.log_path}:\n{child.tail()}")
+            try:
+                if http.get(url).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.3)
+    raise StackError(f"the {child.name} was not healthy at {url} after {timeout_s:.0f} s; "
+                     f"see {child.log_path}:\n{child.tail()}")
+
+
+def has_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def ensure_model(model: Path | None, state_dir: Path, env: dict[str, str]) -> Path:
+    """The model directory to serve: given, or the cached tiny world model (built once)."""
+    if model is not None:
+        if not (model / "config.json").is_file():
+            raise StackError(f"--model {model}: no Hugging Face model there (config.json)")
+        return model.resolve()
+    model = (state_dir / "models" / "tinyworld").resolve()
+    if has_module("trainer.pretrain"):
+        if (model / "tinyworld.json").is_file():
+            return model
+        verb = "build"  # pretrains the tiny world model; minutes, cached afterwards
+    elif (model / "config.json").is_file():
+        return model
+    else:
+        verb = "init"  # a random tiny model: seconds
+    print(f"building the tiny model at {model} (clawrl tinyworld {verb}) …", flush=True)
+    model.parent.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run([sys.executable, "-m", "proxy.cli", "tinyworld", verb, str(model)],
+                          env=env, stdin=subprocess.DEVNULL, check=False)
+    if done.returncode != 0 or not (model / "config.json").is_file():
+        raise StackError(f"`clawrl tinyworld {verb} {model}` failed (exit {done.returncode})")
+    return model
+
+
+def admin_key(state_dir: Path) -> str:
+    """The admin API key: CLAWRL_PROXY__ADMIN_KEY, or one kept in `<state-dir>/admin_key`."""
+    configured = os.environ.get("CLAWRL_PROXY__ADMIN_KEY")
+    if configured:
+        return configured
+    path = state_dir / "admin_key"
+    if not path.is_file():
+        path.write_text(f"ck-admin-{secrets.token_urlsafe(32)}\n")
+        path.chmod(0o600)
+    return path.read_text().strip()
+
+
+async def first_key(db_url: str) -> str:
+    db = create_async(db_url)
+    try:
+        await admin.ensure_user(db, "demo")
+        key = await admin.create_key(db, "demo", name="clawrl up")
+    finally:
+        await db.dispose()
+    return key.secret
+
+
+def print_ready(base_url: str, key: str, state_dir: Path, model: Path) -> None:
+    print(f"""
+clawrl is up.
+  base URL  {base_url}
+  API key   {key}   (user "demo"; shown once)
+  model     {model}
+  logs      {state_dir / "logs"}
+  admin key {state_dir / "admin_key"}   (admin API under {base_url[:-3]}/admin)
+
+  curl {base_url}/chat/completions -H "Authorization: Bearer {key}" \\
+       -H "Content-Type: application/json" \\
+       -d '{{"model": "default", "messages": [{{"role": "user", "content": "hello"}}]}}'
+
+  python -c 'from openai import OpenAI; c = OpenAI(base_url="{base_url}", api_key="{key}"); \\
+print(c.chat.completions.create(model="default", \\
+messages=[{{"role": "user", "content": "hello"}}]).choices[0].message.content)'
+
+Ctrl-C stops everything.""", flush=True)
+
+
+def _raise_on_sigterm(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
+def run_stack(args: argparse.Namespace) -> int:
+    state_dir = args.state_dir.resolve()
+    state_dir.mkdir(parents=True, exist_ok=True)
+    for port, what in ((args.proxy_port, "proxy"), (args.engine_port, "engine")):
+        _check_port_free(port, what)
+    settings = load_settings(state_dir=state_dir)
+    embedded = settings.database.url is None
+    if embedded:
+        print(f"starting embedded Postgres in {state_dir / 'pg'} …", flush=True)
+    try:
+        db_url = resolve_url(settings)
+        upgrade(db_url)
+    except (ArgumentError, DBAPIError, OSError, subprocess.CalledProcessError) as exc:
+        raise StackError(f"database: {first_line(getattr(exc, 'orig', None) or exc)}") from exc
+    try:
+        return run_children(args, state_dir, db_url)
+    finally:
+        if embedded:
+            print("stopping embedded Postgres …", flush=True)
+            stop_embedded(state_dir)
+
+
+def run_children(args: argparse.Namespace, state_dir: Path, db_url: str) -> int:
+    engine_url = f"http://{HOST}:{args.engine_port}"
+    env = {**os.environ, "CLAWRL_DATABASE__URL": db_url, "CLAWRL_STATE_DIR": str(state_dir),
+           "CLAWRL_ENGINE__URL": engine_url, "CLAWRL_PROXY__HOST": HOST,
+           "CLAWRL_PROXY__PORT": str(args.proxy_port),
+           "CLAWRL_PROXY__ADMIN_KEY": admin_key(state_dir), "PYTHONUNBUFFERED": "1"}
+    model = ensure_model(args.model, state_dir, env)
+    stack = Stack(state_dir, env)
+    try:
+        print("starting the engine …", flush=True)
+        engine = stack.start("engine", ["engine", "--model", str(model),
+                                        "--host", HOST, "--port", str(args.engine_port)])
+        wait_healthy(stack, engine, f"{engine_url}/health", args.ready_timeout)
+        print("starting the proxy …", flush=True)
+        proxy = stack.start("proxy", ["proxy", "--host", HOST, "--port", str(args.proxy_port)])
+        wait_healthy(stack, proxy, f"http://{HOST}:{args.proxy_port}/readyz", args.ready_timeout)
+        if not args.no_judge and has_module("judge.worker"):
+            stack.start("judge", ["judge"])
+        if not args.no_train and has_module("trainer.train"):
+            stack.start("train", ["train", "--model", str(model), "--engine-url", engine_url])
+        key = asyncio.run(first_key(db_url))
+        print_ready(f"http://{HOST}:{args.proxy_port}/v1", key, state_dir, model)
+        if args.exit_after_ready:
+            time.sleep(1.0)  # let the workers get going, so an immediate crash shows
+            dead = stack.dead()
+            if dead is not None:
+                raise StackError(f"the {dead.name} exited with code {dead.proc.returncode}; "
+                                 f"see {dead.log_path}:\n{dead.tail()}")
+            return 0
+        while (dead := stack.dead()) is None:
+            time.sleep(0.5)
+        raise StackError(f"the {dead.name} exited with code {dead.proc.returncode}; "
+                         f"see {dead.log_path}:\n{dead.tail()}")
+    finally:
+        # A second Ctrl-C / SIGTERM must not interrupt the orderly stop.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+        print("stopping …", flush=True)
+        stack.stop()
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="clawrl up", description=__doc__.split("\n\n")[0])
+    p.add_argument("--state-dir", type=Path, default=None,
+                   help="data, models, logs (default CLAWRL_STATE_DIR or .clawrl)")
+    p.add_argument("--model", type=Path, help="Hugging Face model directory to serve")
+    p.add_argument("--proxy-port", type=int, default=8000)
+    p.add_argument("--engine-port", type=int, default=30000)
+    p.add_argument("--no-judge", action="store_true", help="do not start a judge worker")
+    p.add_argument("--no-train", action="store_true", help="do not start the trainer")
+    p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds per service")
+    p.add_argument("--exit-after-ready", action="store_true",
+                   help="stop everything once it is up (for tests and smoke checks)")
+    args = p.parse_args(argv)
+    if args.state_dir is None:
+        args.state_dir = load_settings().state_dir
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    signal.signal(signal.SIGTERM, _raise_on_sigterm)
+    try:
+        return run_stack(args)
+    except StackError as exc:
+        print(f"clawrl up: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("clawrl up: stopped", file=sys.stderr)
+        return 0
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

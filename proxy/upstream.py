@@ -1,0 +1,220 @@
+"""The proxy's calls to the serving engine (SGLang, or `clawrl engine`), and their errors.
+
+Chat requests go to the engine's OpenAI route with the client's body plus the fields that
+make the engine return the exact sampled token ids and their logprobs (SGLANG.md §1.2):
+non-streaming `logprobs` + `return_token_ids`; streaming `logprobs` + the `sglext` id
+fields, which SGLang sends in one final `choices: []` chunk. What the client did not ask
+for is stripped from the answer again (see `client_view` and proxy/sse.py).
+
+This module is the one boundary where httpx and engine HTTP errors become proxy errors:
+engine unreachable -> 502, engine too slow -> 504, engine rejects the request (4xx) -> 400
+with the engine's own message.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from proxy.errors import BadRequest, ClawrlError, UpstreamError, UpstreamTimeout
+from proxy.settings import EngineSettings
+
+CHAT_PATH = "/v1/chat/completions"
+
+# Fields the proxy owns on the way to the engine; a client's value for them is replaced.
+_STREAM_ONLY_CONFLICTS = ("return_token_ids", "return_prompt_token_ids", "return_meta_info")
+
+
+def create_client(settings: EngineSettings,
+                  transport: httpx.AsyncBaseTransport | None = None) -> httpx.AsyncClient:
+    """The one HTTP client the proxy process uses for the engine (lives in the lifespan)."""
+    headers = {}
+    if settings.api_key is not None:
+        headers["Authorization"] = f"Bearer {settings.api_key.get_secret_value()}"
+    limits = httpx.Limits(max_connections=settings.max_connections,
+                          max_keepalive_connections=settings.max_connections)
+    timeout = httpx.Timeout(settings.read_timeout_s, connect=settings.connect_timeout_s)
+    return httpx.AsyncClient(base_url=settings.url, headers=headers, limits=limits,
+                             timeout=timeout, transport=transport)
+
+
+def engine_body(body: dict[str, Any], *, stream: bool) -> dict[str, Any]:
+    """The client's body with the fields that return exact token ids and logprobs."""
+    out = dict(body)
+    out["logprobs"] = True
+    if stream:
+        for name in _STREAM_ONLY_CONFLICTS:  # SGLang refuses these when streaming
+            out.pop(name, None)
+        out["return_input_ids_in_sglext"] = True
+        out["return_output_ids_in_sglext"] = True
+    else:
+        out["return_token_ids"] = True
+    return out
+
+
+def translate(exc: httpx.HTTPError) -> ClawrlError:
+    """A transport failure talking to the engine, as the proxy error the client gets."""
+    if isinstance(exc, httpx.TimeoutException):
+        return UpstreamTimeout(f"The engine did not answer in time ({type(exc).__name__}).")
+    if isinstance(exc, httpx.ConnectError):
+        return UpstreamError("The engine is unreachable; try again later.",
+                             code="engine_unavailable")
+    return UpstreamError(f"Lost the connection to the engine ({type(exc).__name__}).")
+
+
+def engine_message(content: bytes) -> str:
+    """The human-readable message inside an engine error body (SGLang or FastAPI shapes)."""
+    try:
+        data = json.loads(content)
+    except ValueError:
+        return content.decode("utf-8", "replace").strip()[:500] or "no details"
+    if isinstance(data, dict):
+        inner = data.get("error")
+        if isinstance(inner, dict) and isinstance(inner.get("message"), str):
+            return str(inner["message"])
+        for key in ("message", "error", "detail"):
+            if isinstance(data.get(key), str):
+                return str(data[key])
+        if data.get("detail") is not None:
+            return json.dumps(data["detail"])[:500]
+    return json.dumps(data)[:500]
+
+
+def error_for_status(status: int, content: bytes) -> ClawrlError:
+    """An engine HTTP error status as a proxy error; the engine's message is kept."""
+    message = engine_message(content)
+    if status in (400, 422):
+        return BadRequest(message, code="engine_rejected")
+    if status == 504:
+        return UpstreamTimeout(f"The engine timed out: {message}")
+    return UpstreamError(f"The engine failed ({status}): {message}")
+
+
+@dataclass
+class EngineReply:
+    """What the turn log needs from one completed chat request."""
+
+    message: dict[str, Any]
+    finish_reason: str | None = None
+    prompt_ids: list[int] | None = None
+    response_ids: list[int] | None = None
+    logprobs: list[float] | None = None
+    weight_version: str | None = None
+    usage: dict[str, Any] = field(default_factory=dict)
+
+
+def parse_reply(data: dict[str, Any]) -> EngineReply:
+    """Pull the reply, exact token ids, logprobs and weight version from a chat response."""
+    choices = data.get("choices") or [{}]
+    choice = choices[0]
+    message = dict(choice.get("message") or {"role": "assistant", "content": ""})
+    message.setdefault("role", "assistant")
+    sglext = data.get("sglext") or {}
+    prompt_ids = choice.get("prompt_token_ids") or sglext.get("input_ids")
+    response_ids = choice.get("response_token_ids")
+    if response_ids is None and sglext.get("output_ids"):
+        response_ids = sglext["output_ids"][0]
+    content = (choice.get("logprobs") or {}).get("content")
+    logprobs = [float(t["logprob"]) for t in content] if content is not None else None
+    metadata = data.get("metadata") or {}
+    return EngineReply(message=message, finish_reason=choice.get("finish_reason"),
+                       prompt_ids=prompt_ids, response_ids=response_ids, logprobs=logprobs,
+                       weight_version=_version(metadata.get("weight_version")),
+                       usage=data.get("usage") or {})
+
+
+def client_view(data: dict[str, Any], *, wants_logprobs: bool) -> dict[str, Any]:
+    """The engine's response minus what only the proxy asked for."""
+    data.pop("sglext", None)
+    for choice in data.get("choices") or []:
+        for name in ("prompt_token_ids", "response_token_ids", "meta_info"):
+            choice.pop(name, None)
+        if not wants_logprobs:
+            choice["logprobs"] = None
+    return data
+
+
+def _version(value: Any) -> str | None:
+    return None if value is None else str(value)
+
+
+class Upstream:
+    """Calls to the engine over the process's shared `httpx.AsyncClient`."""
+
+    def __init__(self, client: httpx.AsyncClient) -> None:
+        self.client = client
+        # Last version read from /model_info; used for streamed turns, whose chunks carry
+        # no weight version on SGLang.
+        self.weight_version: str | None = None
+
+    async def chat(self, body: dict[str, Any]) -> dict[str, Any]:
+        try:
+            response = await self.client.post(CHAT_PATH, json=body)
+        except httpx.HTTPError as exc:
+            raise translate(exc) from exc
+        if response.status_code != 200:
+            raise error_for_status(response.status_code, response.content)
+        try:
+            data = response.json()
+        except ValueError as exc:
+            raise UpstreamError("The engine answered with invalid JSON.") from exc
+        if not isinstance(data, dict):
+            raise UpstreamError("The engine answered with an unexpected JSON shape.")
+        return data
+
+    async def open_chat_stream(self, body: dict[str, Any]) -> httpx.Response:
+        """Send a streaming request; the caller owns (and must close) the response."""
+        request = self.client.build_request("POST", CHAT_PATH, json=body)
+        try:
+            response = await self.client.send(request, stream=True)
+        except httpx.HTTPError as exc:
+            raise translate(exc) from exc
+        if response.status_code != 200:
+            try:
+                content = await response.aread()
+            except httpx.HTTPError as exc:
+                raise translate(exc) from exc
+            finally:
+                await response.aclose()
+            raise error_for_status(response.status_code, content)
+        return response
+
+    async def models(self) -> dict[str, Any]:
+        """The engine's model list (`/v1/models`, or built from `/model_info`)."""
+        try:
+            response = await self.client.get("/v1/models")
+            if response.status_code == 404:
+                info = await self.model_info()
+                name = info.get("served_model_name") or info.get("model_path") or "default"
+                return {"object": "list", "data": [
+                    {"id": name, "object": "model", "created": 0, "owned_by": "clawrl"}]}
+        except httpx.HTTPError as exc:
+            raise translate(exc) from exc
+        if response.status_code != 200:
+            raise error_for_status(response.status_code, response.content)
+        data: dict[str, Any] = response.json()
+        return data
+
+    async def model_info(self) -> dict[str, Any]:
+        try:
+            response = await self.client.get("/model_info")
+        except httpx.HTTPError as exc:
+            raise translate(exc) from exc
+        if response.status_code != 200:
+            raise error_for_status(response.status_code, response.content)
+        info: dict[str, Any] = response.json()
+        self.weight_version = _version(info.get("weight_version"))
+        return info
+
+    async def health(self) -> str:
+        """'ok', 'busy' (503: starting, paused or loading weights) or 'down'."""
+        try:
+            response = await self.client.get("/health", timeout=5.0)
+        except httpx.HTTPError:
+            return "down"
+        if response.status_code == 200:
+            return "ok"
+        return "busy" if response.status_code == 503 else "down"

@@ -1,0 +1,260 @@
+"""The worker end to end against real Postgres, with the judge endpoint as a remote
+OpenAI-compatible API faked by httpx.MockTransport (scripted votes and injected faults)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import httpx
+import pytest
+from judgedb import add_turn, add_user, jobs, rows, wait_for
+from sqlalchemy import Engine, insert, text
+
+from judge.config import JudgeProcessSettings, load_judge_settings
+from judge.rejudge import enqueue_rejudge, parse_time
+from judge.worker import Worker
+from proxy.db import Feedback, create_async
+from proxy.jobs import claim_stmt
+
+Handler = Callable[[httpx.Request], Awaitable[httpx.Response]]
+
+
+def settings_for(db_url: str, **judge: Any) -> JudgeProcessSettings:
+    base: dict[str, Any] = {
+        "backend": "openai", "poll_interval_s": 0.1, "backoff_base_s": 0.05,
+        "teacher_enabled": False, "max_attempts": 3,
+        "openai": {"base_url": "http://judge.test/v1", "model": "judge-test",
+                   "api_key": "sk-judge"},
+    }
+    base.update(judge)
+    return load_judge_settings(database={"url": db_url}, judge=base)
+
+
+def reply(text_: str) -> httpx.Response:
+    return httpx.Response(200, json={
+        "id": "c", "object": "chat.completion", "model": "judge-test",
+        "choices": [{"index": 0, "finish_reason": "stop",
+                     "message": {"role": "assistant", "content": text_}}]})
+
+
+class ScriptedJudge:
+    """Answers PRM prompts and hint prompts from two lists (cycled); records requests."""
+
+    def __init__(self, prm: list[str], hint: list[str]) -> None:
+        self.prm, self.hint = prm, hint
+        self.requests: list[dict[str, Any]] = []
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        self.requests.append({"body": body, "auth": request.headers.get("authorization")})
+        prompt = body["messages"][0]["content"]
+        pool = self.prm if prompt.startswith("Rate the assistant reply") else self.hint
+        n = sum(1 for r in self.requests
+                if r["body"]["messages"][0]["content"].startswith(prompt[:20]))
+        return reply(pool[(n - 1) % len(pool)])
+
+
+async def run_until(db_url: str, settings: JudgeProcessSettings, handler: Handler,
+                    done: Callable[[], bool], *, name: str = "w") -> None:
+    db = create_async(db_url)
+    stop = asyncio.Event()
+    worker = Worker(settings, db, db_url, name=name, transport=httpx.MockTransport(handler))
+    task = asyncio.create_task(worker.run(stop))
+    try:
+        await wait_for(done)
+    finally:
+        stop.set()
+        await task
+        await db.dispose()
+
+
+def job_status(db: Engine) -> list[str]:
+    return [j.status for j in jobs(db)]
+
+
+async def test_majority_reward_votes_hint_and_sample_in_one_go(db: Engine, db_url: str) -> None:
+    user = add_user(db)
+    turn = add_turn(db, user)
+    with db.begin() as conn:
+        conn.execute(insert(Feedback).values(turn_id=turn, user_id=user, rating=-1,
+                                             text="too formal"))
+    judge = ScriptedJudge(
+        prm=["The user asks for lowercase. \\boxed{-1}", "\\boxed{-1}", "I think \\boxed{1"],
+        hint=["[HINT] Answer in lowercase. [/HINT]", "[NO_HINT]", "lowercase"])
+    await run_until(db_url, settings_for(db_url), judge, lambda: job_status(db) == ["done"])
+    [j] = rows(db, "SELECT * FROM judgments")
+    assert (j.turn_id, j.reward, j.prompt_version, j.judge_model) == (turn, -1, "v1",
+                                                                      "judge-test")
+    assert [v["score"] for v in j.votes] == [-1, -1, None]
+    assert j.votes[2]["text"] == "I think \\boxed{1"  # raw text kept
+    assert j.hint == "Answer in lowercase."
+    assert [v["accepted"] for v in j.hint_votes] == [True, False, False]
+    assert j.teacher_logprobs is None and j.reason == "teacher: disabled"
+    [s] = rows(db, "SELECT * FROM samples")
+    assert (s.turn_id, s.judgment_id, s.reward, s.teacher_logprobs) == (turn, j.id, -1, None)
+    assert (s.prompt_ids, s.response_ids) == ([1, 5, 6, 7, 2, 1, 8], [10, 11, 12, 2])
+    assert s.rollout_logprobs == [-0.5, -1.0, -0.25, -0.1] and s.weight_version == "default"
+    assert len(judge.requests) == 6
+    first = judge.requests[0]
+    assert first["auth"] == "Bearer sk-judge"
+    assert (first["body"]["model"], first["body"]["temperature"]) == ("judge-test", 0.6)
+    assert len(first["body"]["messages"]) == 1
+    assert "[FEEDBACK]\nthumbs down: too formal\n" in first["body"]["messages"][0]["content"]
+
+
+async def test_tie_or_garbage_is_an_abstention_never_zero(db: Engine, db_url: str) -> None:
+    user = add_user(db)
+    tie = add_turn(db, user)
+    judge = ScriptedJudge(prm=["\\boxed{1}", "\\boxed{-1}", "no idea"], hint=["[NO_HINT]"])
+    await run_until(db_url, settings_for(db_url), judge, lambda: job_status(db) == ["done"])
+    garbage = add_turn(db, user)
+    judge = ScriptedJudge(prm=["ttt ll5x", "\\boxed{7}", ""], hint=["junk"])
+    await run_until(db_url, settings_for(db_url), judge,
+                    lambda: job_status(db) == ["done", "done"])
+    judged = {r.turn_id: r for r in rows(db, "SELECT * FROM judgments")}
+    assert judged[tie].reward is None and judged[garbage].reward is None
+    assert judged[garbage].hint is None and len(judged[garbage].hint_votes) == 3
+    assert judged[tie].reason == "no sample: no reward and no teacher logprobs"
+    assert rows(db, "SELECT * FROM samples") == []
+
+
+async def test_skipped_and_never_judged_turns(db: Engine, db_url: str) -> None:
+    user, opted_out = add_user(db), add_user(db, opt_out=True)
+    empty = add_turn(db, user, response_ids=[], response_logprobs=[],
+                     response_message={"role": "assistant", "content": ""})
+    cut = add_turn(db, user, finish_reason="length")
+    broken = add_turn(db, user, status="engine_error")
+    add_turn(db, opted_out)
+    add_turn(db, user, kind="side")
+    judge = ScriptedJudge(prm=["\\boxed{1}"], hint=["[NO_HINT]"])
+    await run_until(db_url, settings_for(db_url), judge, lambda: set(job_status(db)) == {"done"})
+    assert judge.requests == []  # none of these needed the judge
+    reasons = {r.turn_id: r.reason for r in rows(db, "SELECT * FROM judgments")}
+    assert reasons == {empty: "skipped: empty response",
+                       cut: "skipped: response cut off by the length limit",
+                       broken: "skipped: turn status engine_error"}
+    assert rows(db, "SELECT * FROM samples") == []
+    notes = sorted(j.last_error for j in jobs(db) if j.last_error)
+    assert notes == ["not judged: side turn", "not judged: user opted out of training"]
+
+
+async def test_endpoint_down_is_retried_then_recorded_never_lost(db: Engine,
+                                                                 db_url: str) -> None:
+    add_turn(db, add_user(db))
+    calls = 0
+
+    async def down(request: httpx.Request) -> httpx.Response:
+        nonlocal calls
+        calls += 1
+        return httpx.Response(503, json={"error": {"message": "overloaded", "type": "x"}})
+
+    await run_until(db_url, settings_for(db_url, hint_votes=0), down,
+                    lambda: job_status(db) == ["failed"])
+    [job] = jobs(db)
+    assert job.attempts == 3 and "HTTP 503: overloaded" in job.last_error
+    assert calls >= 3
+    assert rows(db, "SELECT * FROM judgments") == []
+
+
+async def test_unreachable_or_slow_endpoint_is_retried_until_it_answers(
+        db: Engine, db_url: str) -> None:
+    add_turn(db, add_user(db))
+    faults = [httpx.ConnectError("connection refused"), httpx.ReadTimeout("slow")]
+
+    async def flaky(request: httpx.Request) -> httpx.Response:
+        if faults:
+            raise faults.pop(0)
+        return reply("Thanks, moving on. \\boxed{1}")
+
+    await run_until(db_url, settings_for(db_url, votes=1, hint_votes=0), flaky,
+                    lambda: job_status(db) == ["done"])
+    assert jobs(db)[0].attempts == 3
+    assert [r.reward for r in rows(db, "SELECT reward FROM judgments")] == [1]
+    assert len(rows(db, "SELECT * FROM samples")) == 1
+
+
+async def test_rejected_request_fails_at_once(db: Engine, db_url: str) -> None:
+    add_turn(db, add_user(db))
+
+    async def bad_key(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(401, json={"error": {"message": "invalid api key"}})
+
+    await run_until(db_url, settings_for(db_url), bad_key, lambda: job_status(db) == ["failed"])
+    [job] = jobs(db)
+    assert job.attempts == 1 and "BackendRejected" in job.last_error
+
+
+async def test_a_killed_workers_job_is_picked_up_after_its_lease(db: Engine,
+                                                                 db_url: str) -> None:
+    add_turn(db, add_user(db))
+    with db.begin() as conn:  # a worker claims it, then dies without a word
+        assert conn.execute(claim_stmt("judge", "dead", 1, 0.5)).all()
+    judge = ScriptedJudge(prm=["\\boxed{1}"], hint=["[NO_HINT]"])
+    await run_until(db_url, settings_for(db_url), judge, lambda: job_status(db) == ["done"],
+                    name="alive")
+    [job] = jobs(db)
+    assert job.attempts == 2
+    assert len(rows(db, "SELECT * FROM judgments")) == 1
+
+
+async def test_stop_finishes_jobs_in_flight_and_claims_no_more(db: Engine,
+                                                               db_url: str) -> None:
+    user = add_user(db)
+    add_turn(db, user)
+    started, release = asyncio.Event(), asyncio.Event()
+
+    async def gated(request: httpx.Request) -> httpx.Response:
+        started.set()
+        await release.wait()
+        return reply("\\boxed{1}")
+
+    db_async = create_async(db_url)
+    stop = asyncio.Event()
+    worker = Worker(settings_for(db_url, votes=1, hint_votes=0), db_async, db_url,
+                    transport=httpx.MockTransport(gated))
+    task = asyncio.create_task(worker.run(stop))
+    try:
+        await asyncio.wait_for(started.wait(), 30)
+        stop.set()  # what SIGTERM does
+        add_turn(db, user)  # arrives after the stop: must stay queued
+        await asyncio.sleep(0.3)
+        assert not task.done()  # still finishing the job in flight
+        release.set()
+        await asyncio.wait_for(task, 30)
+    finally:
+        release.set()
+        stop.set()
+        await task
+        await db_async.dispose()
+    assert job_status(db) == ["done", "queued"]
+
+
+async def test_rejudge_supersedes_untrained_samples_and_skips_opted_out(
+        db: Engine, db_url: str) -> None:
+    user, opted_out = add_user(db), add_user(db, opt_out=True)
+    turn = add_turn(db, user)
+    trained = add_turn(db, user)
+    add_turn(db, opted_out, job=False)
+    judge = ScriptedJudge(prm=["\\boxed{1}"], hint=["[NO_HINT]"])
+    await run_until(db_url, settings_for(db_url), judge, lambda: job_status(db) == ["done"] * 2)
+    with db.begin() as conn:
+        conn.execute(text("UPDATE samples SET trained_step = 1 WHERE turn_id = :t"),
+                     {"t": trained})
+    with pytest.raises(FileNotFoundError):
+        enqueue_rejudge(db, parse_time("2000-01-01T00:00:00Z"), "v999")
+    assert enqueue_rejudge(db, parse_time("2000-01-01T00:00:00Z"), "v1") == 2
+    assert enqueue_rejudge(db, parse_time("2000-01-01T00:00:00Z"), "v1") == 0  # queued already
+    assert [j.payload for j in jobs(db)][2:] == [{"prompt_version": "v1", "rejudge": True}] * 2
+    judge = ScriptedJudge(prm=["\\boxed{-1}"], hint=["[NO_HINT]"])
+    await run_until(db_url, settings_for(db_url), judge, lambda: job_status(db) == ["done"] * 4)
+    samples = rows(db, "SELECT turn_id, reward, trained_step, skipped_reason FROM samples "
+                       "ORDER BY id")
+    assert [(s.turn_id, s.reward, s.trained_step, s.skipped_reason) for s in samples] == [
+        (turn, 1, None, "superseded"), (trained, 1, 1, None),
+        (turn, -1, None, None), (trained, -1, None, None)]
+    assert len(rows(db, "SELECT * FROM judgments")) == 4  # old judgments stay for audit
+    assert time.time() > 0

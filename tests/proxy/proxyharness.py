@@ -1,0 +1,199 @@
+"""Helpers for the proxy's chat-path tests: the real app under uvicorn, real Postgres.
+
+`proxy_factory(engine_url, **proxy_settings)` starts `create_app(...)` under uvicorn on a
+free port inside the test's event loop and returns a `RunningProxy`; clients are the
+official `openai` SDK (`running.client(key)`). Users and keys are inserted as rows with
+`proxy.auth.generate_key()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import openai
+import psycopg
+import uvicorn
+from fastapi import FastAPI
+from sqlalchemy.engine import make_url
+
+from proxy.auth import generate_key
+
+ProxyFactory = Callable[..., Awaitable["RunningProxy"]]
+
+
+def closed_port_url() -> str:
+    """An http URL where nothing listens (an engine that is down)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return f"http://127.0.0.1:{port}"
+
+
+def libpq(db_url: str) -> str:
+    return make_url(db_url).set(drivername="postgresql").render_as_string(hide_password=False)
+
+
+def create_user(db_url: str, name: str, *, train_opt_out: bool = False,
+                log_opt_out: bool = False) -> tuple[int, str]:
+    """Insert a user and one API key; returns (user_id, full key)."""
+    key = generate_key()
+    with psycopg.connect(libpq(db_url), autocommit=True) as conn:
+        user_id = conn.execute(
+            "INSERT INTO users (name, train_opt_out, log_opt_out) VALUES (%s, %s, %s) "
+            "RETURNING id", (name, train_opt_out, log_opt_out)).fetchone()[0]  # type: ignore[index]
+        conn.execute("INSERT INTO api_keys (user_id, prefix, secret_hash) VALUES (%s, %s, %s)",
+                     (user_id, key.prefix, key.hash))
+    return user_id, key.secret
+
+
+def query(db_url: str, sql: str, *args: Any) -> list[tuple[Any, ...]]:
+    with psycopg.connect(libpq(db_url), autocommit=True) as conn:
+        return conn.execute(sql, args).fetchall()
+
+
+@dataclass
+class RunningProxy:
+    url: str
+    app: FastAPI
+
+    def client(self, key: str, **kw: Any) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, **kw)
+
+    async def settle(self, timeout_s: float = 10.0) -> None:
+        """Wait until the background writer has stored (or journaled) every served turn."""
+        writer = self.app.state.writer
+        for _ in range(int(timeout_s / 0.02)):
+            if writer.backlog == 0:
+                return
+            await asyncio.sleep(0.02)
+        raise AssertionError(f"turn writer still has {writer.backlog} turns")
+
+
+@contextlib.asynccontextmanager
+async def serve(app: FastAPI) -> AsyncIterator[str]:
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", ws="none",
+                            lifespan="on")
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        if task.done():
+            task.result()
+            raise RuntimeError("uvicorn stopped during startup")
+        await asyncio.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await task
+
+
+class TcpRelay:
+    """A TCP forwarder to a real server that a test can cut and restore (an outage)."""
+
+    def __init__(self, target_host: str, target_port: int) -> None:
+        self.target = (target_host, target_port)
+        self.port = 0
+        self._server: asyncio.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", self.port)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        """Refuse new connections and cut every open one."""
+        if self._server is not None:
+            self._server.close()
+            for writer in list(self._writers):
+                writer.close()
+            await self._server.wait_closed()
+            self._server = None
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection(*self.target)
+        self._writers.update((writer, up_writer))
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            try:
+                while data := await src.read(65536):
+                    dst.write(data)
+                    await dst.drain()
+            except (ConnectionError, OSError):
+                pass
+            finally:
+                dst.close()
+
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+        self._writers.difference_update((writer, up_writer))
+
+
+@contextlib.asynccontextmanager
+async def silent_server() -> AsyncIterator[str]:
+    """A real HTTP endpoint that accepts requests and never answers (an engine that hangs)."""
+    async def hang(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await reader.read()  # until the client gives up and closes
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(hang, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    finally:
+        server.close()
+
+
+class ScriptedStream(httpx.AsyncByteStream):
+    """An engine SSE body that sends `events`, then fails as told: 'drop' (connection lost)
+    or 'hang' (waits until the proxy closes it). Records whether it was closed."""
+
+    def __init__(self, events: list[dict[str, Any]], then: str) -> None:
+        self.events, self.then = events, then
+        self.closed = asyncio.Event()
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        for event in self.events:
+            yield b"data: " + json.dumps(event).encode() + b"\n\n"
+        if self.then == "drop":
+            raise httpx.RemoteProtocolError("peer closed connection without sending complete "
+                                            "message body")
+        if self.then == "hang":
+            await asyncio.Event().wait()
+        yield b"data: [DONE]\n\n"
+
+    async def aclose(self) -> None:
+        self.closed.set()
+
+
+def chunk(content: str | None = None, finish: str | None = None,
+          logprob: float | None = None) -> dict[str, Any]:
+    """An SGLang-shaped `chat.completion.chunk`."""
+    delta: dict[str, Any] = {"role": "assistant"} if content is None and not finish else {}
+    if content is not None:
+        delta["content"] = content
+    logprobs = None if logprob is None else {"content": [
+        {"token": content, "logprob": logprob, "bytes": [], "top_logprobs": []}]}
+    return {"id": "chatcmpl-x", "object": "chat.completion.chunk", "created": 0,
+            "model": "m", "choices": [{"index": 0, "delta": delta, "logprobs": logprobs,
+                                       "finish_reason": finish}]}
+
+
+def scripted_engine(stream: ScriptedStream | None = None, *, status: int = 200,
+                    error_body: dict[str, Any] | None = None) -> httpx.MockTransport:
+    """An engine transport for fault injection: streams `stream`, or answers `status`."""
+    def handle(request: httpx.Request) -> httpx.Response:
+        if status != 200:
+            return httpx.Response(status, json=error_body or {})
+        assert stream is not None
+        return httpx.Response(200, headers={"content-type": "text/event-stream"},
+                              stream=stream)
+
+    return httpx.MockTransport(handle)

@@ -1,0 +1,249 @@
+"""Admin: `clawrl users|keys|sql`, the /admin HTTP API, cascades, opt-outs, admin views."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+
+import httpx
+import psycopg
+import pytest
+from fastapi import FastAPI
+from pydantic import SecretStr
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from proxy import admin
+from proxy.auth import Authenticator
+from proxy.cli import main as clawrl
+from proxy.db import create_async, libpq_url
+from proxy.errors import Unauthorized
+from proxy.settings import load_settings
+
+
+@pytest.fixture
+def cli_db(db_url: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The CLI reads its database from the environment, as in a shell."""
+    monkeypatch.setenv("CLAWRL_DATABASE__URL", db_url)
+    return db_url
+
+
+def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    code = clawrl(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def add_judged_turn(url: str, user: str, reward: int | None, version: str = "0") -> int:
+    """A turn with a next state, a judgment and a sample, as the proxy and judge write them."""
+    with psycopg.connect(libpq_url(url), autocommit=True) as conn:
+        turn_id: int = conn.execute(
+            """INSERT INTO turns (uid, user_id, request_messages, response_message,
+                                 response_ids, status, weight_version, next_state)
+               SELECT %s, id, '[{"role":"user","content":"hi"}]',
+                      '{"role":"assistant","content":"hello"}', '{5,6}', 'ok', %s,
+                      '[{"role":"user","content":"thanks"}]'
+               FROM users WHERE name = %s RETURNING id""",
+            [uuid.uuid4(), version, user]).fetchone()[0]  # type: ignore[index]
+        judgment_id = conn.execute(
+            "INSERT INTO judgments (turn_id, prompt_version, reward, hint) "
+            "VALUES (%s, 'v1', %s, 'be brief') RETURNING id", [turn_id, reward]).fetchone()
+        conn.execute(
+            "INSERT INTO samples (turn_id, judgment_id, user_id, prompt_ids, response_ids, "
+            "rollout_logprobs, reward) SELECT %s, %s, user_id, '{1}', '{5,6}', '{-1,-1}', %s "
+            "FROM turns WHERE id = %s",
+            [turn_id, judgment_id[0], reward, turn_id])  # type: ignore[index]
+    return turn_id
+
+
+def count(url: str, table: str) -> int:
+    with psycopg.connect(libpq_url(url)) as conn:
+        return int(conn.execute(f"SELECT count(*) FROM {table}").fetchone()[0])  # type: ignore[index]
+
+
+def test_users_create_prints_a_key_once(cli_db: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(["users", "create", "alice", "--rpm", "30"], capsys)
+    assert code == 0
+    secret = out.strip().splitlines()[-1]
+    assert secret.startswith("ck-")
+    code, out, _ = run(["keys", "list", "--user", "alice"], capsys)
+    assert code == 0 and secret not in out and secret.split("-")[1] in out and "30" in out
+    code, _, err = run(["users", "create", "alice"], capsys)
+    assert code == 1 and err.strip() == "clawrl users: User 'alice' already exists."
+
+
+def test_keys_create_list_revoke(cli_db: str, capsys: pytest.CaptureFixture[str]) -> None:
+    run(["users", "create", "bob", "--no-key"], capsys)
+    code, out, _ = run(["keys", "create", "--user", "bob", "--name", "ci", "--rpm", "5"], capsys)
+    assert code == 0
+    secret = out.strip().splitlines()[-1]
+    prefix = secret.split("-")[1]
+    code, out, _ = run(["keys", "revoke", prefix], capsys)
+    assert code == 0 and f"revoked key {prefix} of bob" in out
+    code, out, _ = run(["keys", "list"], capsys)
+    assert "ci" in out and prefix in out
+    for argv, message in [
+        (["keys", "create", "--user", "nobody"], "No user named 'nobody'."),
+        (["keys", "revoke", "ffff"], "No API key with prefix 'ffff'."),
+        (["keys", "create", "--user", "bob", "--rpm", "-1"], "rate_limit_rpm must be >= 0"),
+    ]:
+        code, _, err = run(argv, capsys)
+        assert code == 1 and message in err and len(err.strip().splitlines()) == 1
+
+
+def test_delete_user_cascades(cli_db: str, capsys: pytest.CaptureFixture[str]) -> None:
+    run(["users", "create", "carol"], capsys)
+    run(["users", "create", "dave"], capsys)
+    add_judged_turn(cli_db, "carol", 1)
+    add_judged_turn(cli_db, "carol", -1)
+    add_judged_turn(cli_db, "dave", 1)
+    code, out, _ = run(["users", "delete", "carol"], capsys)
+    assert code == 0 and "2 turns, 2 judgments, 2 samples" in out
+    assert (count(cli_db, "turns"), count(cli_db, "judgments"), count(cli_db, "samples"),
+            count(cli_db, "api_keys")) == (1, 1, 1, 1)
+    code, _, err = run(["users", "delete", "carol"], capsys)
+    assert code == 1 and "No user named 'carol'" in err
+
+
+def test_opt_out_and_in(cli_db: str, capsys: pytest.CaptureFixture[str]) -> None:
+    run(["users", "create", "erin", "--no-key"], capsys)
+    assert run(["users", "opt-out", "erin", "--training"], capsys)[0] == 0
+    with psycopg.connect(libpq_url(cli_db)) as conn:
+        flags = conn.execute("SELECT train_opt_out, log_opt_out FROM users").fetchone()
+    assert flags == (True, False)
+    run(["users", "opt-out", "erin", "--logging"], capsys)
+    run(["users", "opt-in", "erin", "--training"], capsys)
+    with psycopg.connect(libpq_url(cli_db)) as conn:
+        flags = conn.execute("SELECT train_opt_out, log_opt_out FROM users").fetchone()
+    assert flags == (False, True)
+    with pytest.raises(SystemExit):  # argparse: neither flag given
+        clawrl(["users", "opt-out", "erin"])
+
+
+def test_sql_prints_a_table_from_the_views(cli_db: str,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    run(["users", "create", "fay"], capsys)
+    add_judged_turn(cli_db, "fay", 1, version="3")
+    add_judged_turn(cli_db, "fay", None, version="3")
+    code, out, _ = run(["sql", "SELECT weight_version, turns, judged, reward_mean, positive, "
+                        "abstained, hints FROM reward_by_version"], capsys)
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0].split(" | ") == ["weight_version", "turns", "judged", "reward_mean",
+                                     "positive", "abstained", "hints"]
+    assert [c.strip() for c in lines[2].split("|")] == ["3", "2", "2", "1", "1", "1", "2"]
+    assert lines[-1] == "(1 row)"
+    code, out, _ = run(["sql", "SELECT user_name, turns, reward_mean FROM activity_by_user"],
+                       capsys)
+    assert code == 0 and "fay" in out
+    code, out, _ = run(["sql", "SELECT last_user_message, reply, next_state FROM session_turns"],
+                       capsys)
+    assert code == 0 and "hi" in out and "hello" in out and "thanks" in out
+    code, out, _ = run(["sql", "SELECT reward, hint FROM turns_with_rewards ORDER BY turn_id"],
+                       capsys)
+    assert code == 0 and "be brief" in out
+
+
+@pytest.mark.parametrize("query, message", [
+    ("DELETE FROM users", "cannot execute DELETE in a read-only transaction"),
+    ("COMMIT; DELETE FROM users", "cannot insert multiple commands into a prepared statement"),
+    ("CREATE TABLE x (a int)", "read-only transaction"),
+    ("SELECT * FROM nope", 'relation "nope" does not exist'),
+    ("SELECT pg_read_file('/etc/passwd')", "permission denied"),
+    ("   ", "Empty query."),
+])
+def test_sql_is_read_only(cli_db: str, capsys: pytest.CaptureFixture[str], query: str,
+                          message: str) -> None:
+    run(["users", "create", "gus", "--no-key"], capsys)
+    code, out, err = run(["sql", query], capsys)
+    assert code == 1 and out == ""
+    assert err.startswith("clawrl sql: ") and message in err and len(err.splitlines()) == 1
+    assert count(cli_db, "users") == 1
+
+
+@pytest.mark.parametrize("url, message", [
+    ("not a url", "bad database URL"),
+    ("postgresql://postgres@127.0.0.1:1/x", "database error at postgresql://postgres@127.0.0.1:1/x"),
+])
+@pytest.mark.parametrize("argv", [["users", "list"], ["keys", "list"], ["sql", "SELECT 1"]])
+def test_bad_database_url_is_one_line(monkeypatch: pytest.MonkeyPatch,
+                                      capsys: pytest.CaptureFixture[str], url: str,
+                                      message: str, argv: list[str]) -> None:
+    monkeypatch.setenv("CLAWRL_DATABASE__URL", url)
+    code, out, err = run(argv, capsys)
+    assert code == 1 and out == ""
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
+# --- HTTP ---------------------------------------------------------------------------------
+
+@pytest.fixture
+async def db(db_url: str) -> AsyncIterator[AsyncEngine]:
+    engine = create_async(db_url)
+    yield engine
+    await engine.dispose()
+
+
+def admin_app(db: AsyncEngine, admin_key: str | None) -> FastAPI:
+    settings = load_settings()
+    settings.proxy.admin_key = SecretStr(admin_key) if admin_key else None
+    app = FastAPI()
+    app.state.settings, app.state.db = settings, db
+    app.state.authenticator = Authenticator(db, settings.proxy)
+    app.include_router(admin.admin_router)
+    return app
+
+
+def client(app: FastAPI, key: str | None = "sekrit") -> httpx.AsyncClient:
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t",
+                             headers=headers)
+
+
+@pytest.mark.parametrize("configured, sent, status, code", [
+    (None, "sekrit", 403, "admin_api_disabled"),
+    ("sekrit", None, 401, "missing_api_key"),
+    ("sekrit", "wrong", 401, "invalid_admin_key"),
+])
+async def test_admin_api_is_guarded(db: AsyncEngine, configured: str | None, sent: str | None,
+                                    status: int, code: str) -> None:
+    async with client(admin_app(db, configured), sent) as c:
+        for method, path in [("GET", "/admin/users"), ("POST", "/admin/keys"),
+                             ("DELETE", "/admin/users/x")]:
+            r = await c.request(method, path, json={"user": "x"})
+            assert r.status_code == status
+            assert r.json()["error"]["code"] == code
+
+
+async def test_admin_api_users_and_keys(db: AsyncEngine) -> None:
+    app = admin_app(db, "sekrit")
+    async with client(app) as c:
+        r = await c.post("/admin/users", json={"name": "hal"})
+        assert r.status_code == 201 and r.json()["name"] == "hal"
+        r = await c.post("/admin/users", json={"name": "hal"})
+        assert r.status_code == 409 and r.json()["error"]["code"] == "user_exists"
+        r = await c.post("/admin/users", json={"nom": "x"})
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+        r = await c.post("/admin/keys", json={"user": "hal", "rate_limit_rpm": 9})
+        assert r.status_code == 201
+        secret, prefix = r.json()["key"], r.json()["prefix"]
+        listed = (await c.get("/admin/keys", params={"user": "hal"})).json()["data"]
+        assert [k["prefix"] for k in listed] == [prefix] and secret not in str(listed)
+        principal = await app.state.authenticator.authenticate(
+            {"authorization": f"Bearer {secret}"})
+        assert principal.rate_limit_rpm == 9
+        r = await c.patch("/admin/users/hal", json={"train_opt_out": True})
+        assert r.json()["train_opt_out"] is True and r.json()["log_opt_out"] is False
+        # The opt-out is visible at once: the admin API drops the principal cache.
+        principal = await app.state.authenticator.authenticate(
+            {"authorization": f"Bearer {secret}"})
+        assert principal.train_opt_out is True
+        r = await c.post(f"/admin/keys/{prefix}/revoke")
+        assert r.status_code == 200 and r.json()["revoked_at"] is not None
+        with pytest.raises(Unauthorized):
+            await app.state.authenticator.authenticate({"authorization": f"Bearer {secret}"})
+        assert (await c.post("/admin/keys/nope/revoke")).status_code == 404
+        r = await c.delete("/admin/users/hal")
+        assert r.json() == {"name": "hal", "deleted": True, "turns": 0, "judgments": 0,
+                            "samples": 0}
+        assert (await c.get("/admin/users")).json()["data"] == []
+        assert (await c.patch("/admin/users/hal", json={})).status_code == 400

@@ -1,0 +1,158 @@
+"""The torch backend on the tiny model: steps, NaN safety, accumulation, export, LoRA."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainer.backends.torch import TorchBackend
+from trainer.config import LoraSettings, TrainerSettings
+from trainer.data import Batch, SampleRow, collate
+from trainer.export import CheckpointError, verify_version, write_version
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> None:
+    torch.set_num_threads(1)
+
+
+def backend(model_dir: Path, **kw: object) -> TorchBackend:
+    cfg = TrainerSettings(**({"batch_size": 4, "micro_batch_size": 4, "kl_coef": 0.0,
+                              "lr": 1e-3, "device": "cpu"} | kw))  # type: ignore[arg-type]
+    b = TorchBackend(cfg)
+    b.load(model_dir)
+    return b
+
+
+def on_policy_batch(b: TorchBackend, rewards: list[int | None]) -> Batch:
+    """Samples whose rollout logprobs are the model's own (what the engine would report)."""
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for i, r in enumerate(rewards):
+        ids = torch.randint(3, b.limits.vocab_size, (5 + i + 3,), generator=gen).tolist()
+        rows.append(SampleRow(i, ids[:5], ids[5:], [0.0] * (i + 3), None, r, 0))
+    batch = collate(rows, 0)
+    batch.rollout_logp = b.compute_logprobs(batch) * batch.loss_mask
+    return batch
+
+
+def params(b: TorchBackend) -> dict[str, torch.Tensor]:
+    assert b.model is not None
+    return {k: v.detach().clone() for k, v in b.model.state_dict().items()}
+
+
+def test_first_step_ratio_is_one_and_weights_move(tiny_model_dir: Path) -> None:
+    b = backend(tiny_model_dir)
+    batch = on_policy_batch(b, [1, -1, 1, 0])
+    before = params(b)
+    stats = b.train_step(batch)
+    assert stats.status == "ok"
+    assert stats.ratio_mean == pytest.approx(1.0, abs=1e-5)
+    assert stats.abs_log_ratio_max is not None and stats.abs_log_ratio_max < 1e-4
+    assert stats.clip_frac == 0.0
+    assert stats.num_tokens == batch.num_tokens
+    after = params(b)
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+def test_nonfinite_loss_skips_the_step_and_touches_nothing(tiny_model_dir: Path) -> None:
+    b = backend(tiny_model_dir)
+    assert b.train_step(on_policy_batch(b, [1, -1])).status == "ok"
+    before, opt_before = params(b), copy.deepcopy(b.optimizer.state_dict())  # type: ignore[union-attr]
+    poisoned = on_policy_batch(b, [1, -1])
+    poisoned.rollout_logp[0, 4] = float("-inf")  # a response token: ratio = exp(+inf)
+    stats = b.train_step(poisoned)
+    assert stats.status == "skipped" and "non-finite" in (stats.reason or "")
+    after = params(b)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    opt_after = b.optimizer.state_dict()  # type: ignore[union-attr]
+    for pid, st in opt_before["state"].items():
+        assert int(opt_after["state"][pid]["step"]) == int(st["step"])
+        assert torch.equal(opt_after["state"][pid]["exp_avg"], st["exp_avg"])
+
+
+def test_gradient_accumulation_equals_one_big_batch(tiny_model_dir: Path) -> None:
+    big = backend(tiny_model_dir, micro_batch_size=4)
+    small = backend(tiny_model_dir, micro_batch_size=1)
+    batch = on_policy_batch(big, [1, -1, 1, -1])
+    s_big, s_small = big.train_step(batch), small.train_step(batch)
+    # Token mean over the whole batch: rewards ±1 on 3, 4, 5, 6 response tokens, ratio 1:
+    # loss = −(3 − 4 + 5 − 6) / 18 whether the batch runs as 1 or 4 micro batches.
+    assert s_big.loss == pytest.approx(2 / 18) and s_small.loss == pytest.approx(2 / 18)
+    assert s_big.grad_norm == pytest.approx(s_small.grad_norm, rel=1e-5)
+    a, b = params(big), params(small)
+    # Adam normalises each coordinate, so float noise in near-zero gradients shows up at
+    # ~lr·1e-3; 1e-5 is far below the lr-sized (1e-3) moves of a real difference.
+    assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
+
+
+def test_export_writes_a_loadable_version_and_refuses_overwrite(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    b = backend(tiny_model_dir)
+    b.train_step(on_policy_batch(b, [1, -1]))
+    path = write_version(tmp_path, 1, b.export, tiny_model_dir)
+    assert path.name == "v000001"
+    marker = verify_version(path)
+    assert "tokenizer.json" in marker["files"]  # type: ignore[operator]
+    loaded = AutoModelForCausalLM.from_pretrained(str(path))
+    mine = params(b)
+    for k, v in loaded.state_dict().items():
+        assert torch.equal(v, mine[k]), k
+    with pytest.raises(CheckpointError, match="never overwritten"):
+        write_version(tmp_path, 1, b.export, tiny_model_dir)
+
+
+def test_corrupt_or_incomplete_folders_are_refused(tiny_model_dir: Path,
+                                                  tmp_path: Path) -> None:
+    b = backend(tiny_model_dir)
+    path = write_version(tmp_path, 2, b.export, tiny_model_dir)
+    with pytest.raises(CheckpointError, match="does not exist"):
+        verify_version(tmp_path / "v000009")
+    weights = path / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[:100])
+    with pytest.raises(CheckpointError, match="corrupt"):
+        verify_version(path)
+    weights.write_bytes(b"\xff" * len(data))  # same size, garbage header
+    with pytest.raises(CheckpointError, match="not a readable safetensors"):
+        verify_version(path)
+    (path / "clawrl_complete.json").unlink()
+    with pytest.raises(CheckpointError, match="no completion marker"):
+        verify_version(path)
+
+
+def test_failed_export_leaves_no_folder(tiny_model_dir: Path, tmp_path: Path) -> None:
+    def broken(out: Path) -> None:
+        (out / "config.json").write_text("{}")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError):
+        write_version(tmp_path, 3, broken, tiny_model_dir)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_lora_trains_adapters_and_exports_a_merged_plain_model(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    b = backend(tiny_model_dir, lora=LoraSettings(enabled=True, r=4, alpha=8), kl_coef=0.1)
+    batch = on_policy_batch(b, [1, -1, 1])
+    for _ in range(3):
+        assert b.train_step(batch).status == "ok"
+    path = write_version(tmp_path, 1, b.export, tiny_model_dir)
+    merged = AutoModelForCausalLM.from_pretrained(str(path))
+    assert not any("lora" in k for k in merged.state_dict())
+    # The merged plain model computes what the adapter model computes.
+    with torch.no_grad():
+        ids = batch.input_ids[:1]
+        want = b.model(input_ids=ids).logits  # type: ignore[misc]
+        got = merged(input_ids=ids).logits
+    assert torch.allclose(want, got, atol=1e-4)
+    base = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir))
+    with torch.no_grad():
+        assert not torch.allclose(base(input_ids=ids).logits, got, atol=1e-4)

@@ -1,0 +1,199 @@
+"""The `torch` backend: a Hugging Face causal LM on CPU or one GPU, AdamW, optional LoRA.
+
+One `train_step` = zero grads → for each micro batch: forward, our own logprob gathering
+(no `labels`: HF would shift them a second time), loss scaled by the batch's token count,
+backward → clip the global grad norm → AdamW step. If any micro loss or the grad norm is
+NaN/inf, gradients are dropped and neither weights nor optimizer state change.
+
+With LoRA (peft), only adapters train; the KL reference is the same network with adapters
+disabled (no second copy), and `export` writes the merged plain model.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+import warnings
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from trainer.backends.base import StepStats, micro_batch_loss, signal_mask
+from trainer.config import TrainerSettings
+from trainer.data import Batch, ModelLimits
+from trainer.loss import entropy_from_logits, gather_logprobs
+
+OPTIMIZER_FILE = "optimizer.pt"
+ADAPTER_FILE = "adapter.pt"
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+class TorchBackend:
+    def __init__(self, cfg: TrainerSettings) -> None:
+        self.cfg = cfg
+        self.device = pick_device(cfg.device)
+        self.dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
+        self.model: torch.nn.Module | None = None
+        self.reference: torch.nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self._limits: ModelLimits | None = None
+
+    # -- loading -----------------------------------------------------------------------------
+    def load(self, model_dir: Path, reference_dir: Path | None = None) -> None:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=self.dtype)
+        conf = model.config
+        self._limits = ModelLimits(
+            vocab_size=int(conf.vocab_size),
+            max_context=int(getattr(conf, "max_position_embeddings", 0) or 2**31))
+        if self.cfg.lora.enabled:
+            from peft import LoraConfig, get_peft_model
+
+            lc = self.cfg.lora
+            with warnings.catch_warnings():
+                # peft 0.21 reads a property transformers 5 deprecated; harmless.
+                warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing",
+                                        category=FutureWarning)
+                model = get_peft_model(model, LoraConfig(
+                    r=lc.r, lora_alpha=lc.alpha, lora_dropout=lc.dropout,
+                    target_modules=lc.target_modules, task_type="CAUSAL_LM"))
+        elif self.cfg.kl_coef > 0:
+            ref_dir = reference_dir or model_dir
+            self.reference = (copy.deepcopy(model) if ref_dir == model_dir else
+                              AutoModelForCausalLM.from_pretrained(str(ref_dir), dtype=self.dtype))
+            self.reference.to(self.device).eval().requires_grad_(False)
+        self.model = model.to(self.device)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            params, lr=self.cfg.lr, betas=self.cfg.betas, weight_decay=self.cfg.weight_decay)
+
+    @property
+    def limits(self) -> ModelLimits:
+        if self._limits is None:
+            raise RuntimeError("backend not loaded")
+        return self._limits
+
+    def _model(self) -> torch.nn.Module:
+        if self.model is None:
+            raise RuntimeError("backend not loaded")
+        return self.model
+
+    # -- forward passes ----------------------------------------------------------------------
+    def _logits(self, model: torch.nn.Module, micro: Batch) -> Tensor:
+        out = model(input_ids=micro.input_ids, attention_mask=micro.attention_mask,
+                    use_cache=False)
+        logits: Tensor = out.logits
+        return logits
+
+    @torch.no_grad()
+    def _reference_logprobs(self, micro: Batch) -> Tensor | None:
+        if self.cfg.kl_coef <= 0:
+            return None
+        if self.cfg.lora.enabled:
+            with self._model().disable_adapter():  # type: ignore[operator]
+                return gather_logprobs(self._logits(self._model(), micro), micro.input_ids)
+        assert self.reference is not None
+        return gather_logprobs(self._logits(self.reference, micro), micro.input_ids)
+
+    @torch.no_grad()
+    def compute_logprobs(self, batch: Batch) -> Tensor:
+        model = self._model()
+        was_training = model.training
+        model.eval()
+        parts = []
+        for micro in batch.micro_batches(self.cfg.micro_batch_size):
+            micro = micro.to(self.device)
+            lp = gather_logprobs(self._logits(model, micro), micro.input_ids)
+            pad = batch.loss_mask.shape[1] - lp.shape[1]
+            parts.append(torch.nn.functional.pad(lp.cpu(), (0, pad)))
+        model.train(was_training)
+        return torch.cat(parts)
+
+    # -- the step ----------------------------------------------------------------------------
+    def train_step(self, batch: Batch) -> StepStats:
+        model, opt = self._model(), self.optimizer
+        assert opt is not None
+        started = time.perf_counter()
+        num_tokens = int(signal_mask(self.cfg, batch).sum())
+        model.train()
+        opt.zero_grad(set_to_none=True)
+        sums = {"loss": 0.0, "pg": 0.0, "kl": 0.0, "ent": 0.0, "ratio": 0.0, "clip": 0}
+        abs_lr_max, bad = 0.0, None
+        for micro in batch.micro_batches(self.cfg.micro_batch_size):
+            micro = micro.to(self.device)
+            logp_ref = self._reference_logprobs(micro)
+            logits = self._logits(model, micro)
+            logp_new = gather_logprobs(logits, micro.input_ids)
+            entropy = entropy_from_logits(logits) if self.cfg.entropy_coef > 0 else None
+            terms = micro_batch_loss(self.cfg, micro, logp_new, num_tokens, logp_ref, entropy)
+            loss_value = float(terms.loss.detach())
+            if not math.isfinite(loss_value):
+                bad = f"non-finite loss ({loss_value})"
+                break
+            terms.loss.backward()
+            sums["loss"] += loss_value
+            sums["pg"] += terms.pg_sum
+            sums["kl"] += terms.kl_sum
+            sums["ent"] += terms.entropy_sum
+            sums["ratio"] += terms.ratio_sum
+            sums["clip"] += terms.clipped_low + terms.clipped_high
+            abs_lr_max = max(abs_lr_max, terms.abs_log_ratio_max)
+        grad_norm = None
+        if bad is None:
+            params = [p for p in model.parameters() if p.requires_grad]
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip))
+            if not math.isfinite(grad_norm):
+                bad = f"non-finite gradient norm ({grad_norm})"
+        if bad is not None:
+            # Drop the gradients; no optimizer step, so weights and Adam moments stay as-is.
+            opt.zero_grad(set_to_none=True)
+            return StepStats(status="skipped", num_samples=batch.size, num_tokens=num_tokens,
+                             seconds=time.perf_counter() - started, reason=bad)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        n = max(num_tokens, 1)
+        return StepStats(
+            status="ok", num_samples=batch.size, num_tokens=num_tokens,
+            seconds=time.perf_counter() - started, loss=sums["loss"], pg_loss=sums["pg"] / n,
+            kl=sums["kl"] / n, entropy=sums["ent"] / n if self.cfg.entropy_coef > 0 else None,
+            ratio_mean=sums["ratio"] / n, clip_frac=sums["clip"] / n,
+            abs_log_ratio_max=abs_lr_max, grad_norm=grad_norm)
+
+    # -- files -------------------------------------------------------------------------------
+    def export(self, out_dir: Path) -> None:
+        model = self._model()
+        if self.cfg.lora.enabled:
+            # Merge into a copy: the live model keeps its separate adapters for training.
+            merged = copy.deepcopy(model).merge_and_unload()  # type: ignore[operator]
+            merged.save_pretrained(str(out_dir))
+        else:
+            model.save_pretrained(str(out_dir))  # type: ignore[operator]
+
+    def save_state(self, state_dir: Path) -> None:
+        assert self.optimizer is not None
+        state_dir.mkdir(parents=True, exist_ok=True)
+        torch.save(self.optimizer.state_dict(), state_dir / OPTIMIZER_FILE)
+        if self.cfg.lora.enabled:
+            trainable = {n: p.detach().cpu() for n, p in self._model().named_parameters()
+                         if p.requires_grad}
+            torch.save(trainable, state_dir / ADAPTER_FILE)
+
+    def load_state(self, state_dir: Path) -> None:
+        assert self.optimizer is not None
+        if self.cfg.lora.enabled:
+            adapters = torch.load(state_dir / ADAPTER_FILE, map_location=self.device)
+            missing = self._model().load_state_dict(adapters, strict=False).unexpected_keys
+            if missing:
+                raise RuntimeError(f"adapter state has unknown keys: {missing[:3]}")
+        opt_state = torch.load(state_dir / OPTIMIZER_FILE, map_location=self.device)
+        self.optimizer.load_state_dict(opt_state)

@@ -1,0 +1,7 @@
+"""`python -m trainer.engine --model DIR ...` (what the test fixtures start)."""
+
+import sys
+
+from trainer.engine import main
+
+sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,288 @@
+"""The engine's serving state: model, tokenizer, weight version, pause state, weight swaps.
+
+Concurrency follows SGLang's tokenizer manager (see /work/shared/SGLANG.md §1.3):
+- every generate request first waits while the engine is paused, then holds the *reader*
+  side of a writer-preferring lock for its whole life, streaming included;
+- a weight update loads the new checkpoint first (a bad path fails here, old weights keep
+  serving), then takes the *writer* side: it waits for in-flight requests to drain while new
+  ones queue, swaps, and releases. No request fails because of an update;
+- while paused, an update skips the lock (nothing is stepping) and swaps immediately.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainer.engine.scheduler import Scheduler, Sequence
+
+log = logging.getLogger("clawrl.engine")
+
+# Config fields that must match for new weights to fit the serving model.
+_SHAPE_FIELDS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers",
+                 "num_attention_heads", "num_key_value_heads", "intermediate_size")
+
+
+class WeightUpdateError(Exception):
+    """The requested checkpoint cannot be loaded; the old weights keep serving."""
+
+
+class RWLock:
+    """Writer-preferring asyncio reader/writer lock (SGLang `aio_rwlock` semantics)."""
+
+    def __init__(self) -> None:
+        self.readers = 0
+        self.writer = False
+        self.writers_waiting = 0
+        self._changed = asyncio.Event()
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def _wait(self, ready: Callable[[], bool]) -> None:
+        while not ready():
+            await self._changed.wait()
+
+    @asynccontextmanager
+    async def reader(self) -> AsyncIterator[None]:
+        await self._wait(lambda: not self.writer and self.writers_waiting == 0)
+        self.readers += 1
+        try:
+            yield
+        finally:
+            self.readers -= 1
+            self._wake()
+
+    @asynccontextmanager
+    async def writer(self) -> AsyncIterator[None]:
+        self.writers_waiting += 1
+        try:
+            await self._wait(lambda: not self.writer and self.readers == 0)
+        finally:
+            self.writers_waiting -= 1
+        self.writer = True
+        try:
+            yield
+        finally:
+            self.writer = False
+            self._wake()
+
+
+def load_model(path: str | Path, *, device: str, dtype: torch.dtype) -> Any:
+    """Load an HF causal LM for inference, refusing checkpoints with missing/unexpected keys."""
+    from transformers import AutoModelForCausalLM
+
+    model, info = AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=dtype, output_loading_info=True)
+    bad = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys",
+                                                 "mismatched_keys") and v}
+    if bad:
+        raise WeightUpdateError(f"checkpoint at {path} does not match its config: {bad}")
+    return model.to(device).eval()
+
+
+class Engine:
+    """Everything the HTTP routes share: created once in the app lifespan."""
+
+    def __init__(self, model_path: str, *, served_model_name: str | None = None,
+                 weight_version: str = "default", device: str = "cpu",
+                 dtype: torch.dtype = torch.float32, max_batch: int = 32) -> None:
+        from transformers import AutoTokenizer
+
+        self.model_path = str(model_path)
+        self.served_model_name = served_model_name or self.model_path
+        self.device, self.dtype = device, dtype
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        model = load_model(self.model_path, device=device, dtype=dtype)
+        self.config = model.config
+        self.context_len = int(model.config.max_position_embeddings)
+        self.vocab_size = int(model.config.vocab_size)
+        self.eos_ids = _eos_ids(model, self.tokenizer)
+        # Chat requests that leave these unset use the values generation_config.json sets
+        # (not transformers' class defaults such as top_k=50), as SGLang does.
+        diff = model.generation_config.to_diff_dict()
+        self.generation_defaults = {k: diff[k] for k in ("temperature", "top_p", "top_k")
+                                    if diff.get(k) is not None}
+        self.scheduler = Scheduler(model, eos_ids=self.eos_ids, decode=self.decode,
+                                   weight_version=weight_version, max_batch=max_batch)
+        self.lock = RWLock()
+        self._resumed = asyncio.Event()
+        self._resumed.set()
+        self.pause_mode: str | None = None
+        self.updating = False
+        self._update_lock = asyncio.Lock()
+        self.live: dict[str, Sequence] = {}
+        self._token_text: dict[int, str] = {}
+
+    @property
+    def weight_version(self) -> str:
+        return self.scheduler.weight_version
+
+    def start(self) -> None:
+        self.scheduler.start()
+
+    def stop(self) -> None:
+        self.scheduler.abort_all("server shutting down")
+        self.scheduler.thaw()
+        self.scheduler.stop()
+
+    # ---- text ---------------------------------------------------------------------------
+
+    def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> str:
+        text: str = self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        return text
+
+    def token_text(self, token_id: int) -> str:
+        """Text of one token on its own (SGLang `return_text_in_logprobs`)."""
+        if token_id not in self._token_text:
+            self._token_text[token_id] = self.tokenizer.decode([token_id])
+        return self._token_text[token_id]
+
+    def encode(self, text: str) -> list[int]:
+        ids: list[int] = self.tokenizer.encode(text, add_special_tokens=False)
+        return ids
+
+    # ---- generation -----------------------------------------------------------------------
+
+    async def generate(self, seq: Sequence) -> AsyncIterator[Sequence]:
+        """Run `seq`; yield it each time it made progress, last when `seq.finish` is set.
+
+        Closing the iterator early (client gone) aborts the sequence.
+        """
+        loop = asyncio.get_running_loop()
+        progressed = asyncio.Event()
+        seq.notify = lambda: loop.call_soon_threadsafe(progressed.set)
+        await self._resumed.wait()
+        async with self.lock.reader():
+            if seq.rid in self.live:
+                seq.rid = f"{seq.rid}-{uuid.uuid4().hex[:8]}"
+            self.live[seq.rid] = seq
+            self.scheduler.submit(seq)
+            try:
+                while seq.finish is None:
+                    await progressed.wait()
+                    progressed.clear()
+                    yield seq
+            finally:
+                if seq.finish is None:
+                    self.scheduler.abort(seq, "client disconnected")
+                self.live.pop(seq.rid, None)
+
+    async def run(self, seq: Sequence) -> Sequence:
+        async for _ in self.generate(seq):
+            pass
+        return seq
+
+    def abort(self, rid: str | None, *, abort_all: bool = False) -> int:
+        if abort_all:
+            return self.scheduler.abort_all("aborted by request")
+        seq = self.live.get(rid or "")
+        if seq is None:
+            return 0
+        self.scheduler.abort(seq, "aborted by request")
+        return 1
+
+    # ---- control --------------------------------------------------------------------------
+
+    async def pause(self, mode: str) -> None:
+        """SGLang `pause_generation`: abort (default), retract or in_place."""
+        self._resumed.clear()
+        self.pause_mode = mode
+        if mode == "abort":
+            self.scheduler.abort_all("generation paused")
+        await asyncio.to_thread(self.scheduler.freeze, retract=mode != "in_place")
+
+    def resume(self) -> None:
+        self.pause_mode = None
+        self.scheduler.thaw()
+        self._resumed.set()
+
+    @property
+    def paused(self) -> bool:
+        return not self._resumed.is_set()
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: str | None,
+                                       *, abort_all_requests: bool = False) -> None:
+        """Load `model_path` and swap it in; raises WeightUpdateError (old weights serve on)."""
+        async with self._update_lock:
+            self.updating = True
+            try:
+                started = time.monotonic()
+                model = await asyncio.to_thread(self._load_compatible, model_path)
+                if abort_all_requests:
+                    self.scheduler.abort_all("aborted for a weight update")
+                if self.paused:
+                    self._swap(model, model_path, weight_version)
+                else:
+                    async with self.lock.writer():
+                        self._swap(model, model_path, weight_version)
+                log.info("weights updated", extra={"action": "update_weights",
+                                                   "model_path": model_path,
+                                                   "weight_version": self.weight_version,
+                                                   "seconds": time.monotonic() - started})
+            finally:
+                self.updating = False
+
+    def _load_compatible(self, model_path: str) -> Any:
+        path = Path(model_path)
+        if not path.is_dir():
+            raise WeightUpdateError(f"model_path {model_path!r} is not a directory")
+        if not (path / "config.json").is_file():
+            raise WeightUpdateError(f"model_path {model_path!r} has no config.json")
+        try:
+            model = load_model(path, device=self.device, dtype=self.dtype)
+        except WeightUpdateError:
+            raise
+        except Exception as exc:  # any loader failure means: this checkpoint is unusable
+            raise WeightUpdateError(f"cannot load {model_path!r}: {exc}") from exc
+        for name in _SHAPE_FIELDS:
+            new, old = getattr(model.config, name, None), getattr(self.config, name, None)
+            if new != old:
+                raise WeightUpdateError(
+                    f"checkpoint {model_path!r} does not fit the served model: {name} {new} != {old}")
+        return model
+
+    def _swap(self, model: Any, model_path: str, weight_version: str | None) -> None:
+        running, _ = self.scheduler.in_flight()
+        if running:
+            raise WeightUpdateError(f"{running} requests are paused in place with a KV cache; "
+                                    "continue them or pause with mode 'retract' or 'abort'")
+        self.scheduler.swap_model(model, weight_version or self.weight_version)
+        self.model_path = model_path
+
+    def model_info(self) -> dict[str, Any]:
+        return {
+            "model_path": self.model_path,
+            "tokenizer_path": self.model_path,
+            "served_model_name": self.served_model_name,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": self.weight_version,
+            "load_format": "auto",
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "reasoning_parser": None,
+            "tool_call_parser": "qwen25",
+            "model_type": self.config.model_type,
+            "architectures": list(self.config.architectures or []),
+            "context_length": self.context_len,
+        }
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
+    ids: set[int] = set()
+    for source in (model.generation_config.eos_token_id, tokenizer.eos_token_id):
+        if isinstance(source, int):
+            ids.add(source)
+        elif source:
+            ids.update(int(i) for i in source)
+    return ids

@@ -1,0 +1,309 @@
+"""HTTP routes of the embedded engine and `clawrl engine` (the subset of SGLang's server we use).
+
+Run: `clawrl engine --model DIR [--host 127.0.0.1] [--port 30000] [--served-model-name NAME]`
+(or `python -m trainer.engine ...`). Routes, fields and shapes follow SGLang 0.5.x's
+`srt/entrypoints/http_server.py`; /work/shared/SGLANG.md lists them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import hmac
+import json
+import logging
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from pydantic import ValidationError
+
+from trainer.engine import chat
+from trainer.engine.protocol import (
+    ChatCompletionRequest,
+    EngineError,
+    GenerateRequest,
+    describe,
+    error_response,
+    parse_json,
+    sampling_from_dict,
+)
+from trainer.engine.runtime import Engine, WeightUpdateError
+from trainer.engine.scheduler import Sequence
+
+_OPEN_ROUTES = {"/health", "/health_generate", "/v1/models"}
+
+
+def create_app(engine: Engine, *, api_key: str | None = None) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        yield
+        engine.stop()
+
+    app = FastAPI(title="clawrl engine", lifespan=lifespan)
+
+    @app.exception_handler(EngineError)
+    async def _engine_error(_: Request, exc: EngineError) -> JSONResponse:
+        return error_response(exc.message, exc.status)
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next: Callable[[Request], Awaitable[Response]]
+                    ) -> Response:
+        if api_key and request.url.path not in _OPEN_ROUTES:
+            given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+            if not hmac.compare_digest(given.encode(), api_key.encode()):
+                return error_response("invalid API key", 401)
+        return await call_next(request)
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(request: Request) -> Response:
+        body = parse_json(await request.body())
+        try:
+            req = ChatCompletionRequest.model_validate(body)
+        except ValidationError as exc:
+            raise EngineError(describe(exc)) from exc
+        for flag in ("input", "output"):
+            if request.headers.get(f"x-sglext-return-{flag}-ids") == "1":
+                setattr(req, f"return_{flag}_ids_in_sglext", True)
+        seq = chat.prepare(engine, req, req.rid)
+        if req.stream:
+            return StreamingResponse(chat.stream(engine, req, seq),
+                                     media_type="text/event-stream")
+        return JSONResponse(await chat.complete(engine, req, seq))
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{
+            "id": engine.served_model_name, "object": "model", "created": int(time.time()),
+            "owned_by": "sglang", "root": engine.served_model_name,
+            "max_model_len": engine.context_len}]}
+
+    @app.api_route("/generate", methods=["POST", "PUT"], response_model=None)
+    async def generate(request: Request) -> Response:
+        body = parse_json(await request.body())
+        try:
+            req = GenerateRequest.model_validate(body)
+        except ValidationError as exc:
+            raise EngineError(describe(exc)) from exc
+        seqs, batched = _generate_seqs(engine, req)
+        started = time.monotonic()
+        if req.stream:
+            if batched:
+                raise EngineError("streaming a batch of prompts is not supported")
+            return StreamingResponse(_generate_stream(engine, req, seqs[0], started),
+                                     media_type="text/event-stream")
+        done = await asyncio.gather(*(engine.run(s) for s in seqs))
+        out = [_generate_body(engine, req, s, started) for s in done]
+        return JSONResponse(out if batched else out[0])
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(request: Request) -> JSONResponse:
+        body = parse_json(await request.body())
+        path = body.get("model_path")
+        version = body.get("weight_version")
+        if not isinstance(path, str) or not path:
+            return _update_result(False, "model_path (a model directory) is required")
+        try:
+            await engine.update_weights_from_disk(
+                path, None if version is None else str(version),
+                abort_all_requests=bool(body.get("abort_all_requests", False)))
+        except WeightUpdateError as exc:
+            return _update_result(False, str(exc))
+        return _update_result(True, "Succeeded to update model weights.")
+
+    @app.post("/update_weight_version")
+    async def update_weight_version(request: Request) -> dict[str, Any]:
+        body = parse_json(await request.body())
+        if body.get("new_version") is None:
+            raise EngineError("new_version is required")
+        if body.get("abort_all_requests", True):
+            engine.abort(None, abort_all=True)
+        engine.scheduler.weight_version = str(body["new_version"])
+        return {"success": True, "message": f"Weight version updated to {body['new_version']}"}
+
+    @app.post("/pause_generation")
+    async def pause_generation(request: Request) -> dict[str, str]:
+        body = parse_json(await request.body() or b"{}")
+        mode = body.get("mode", "abort")
+        if mode not in ("abort", "retract", "in_place"):
+            raise EngineError(f"mode must be 'abort', 'retract' or 'in_place', not {mode!r}")
+        await engine.pause(mode)
+        return {"message": "Generation paused successfully.", "status": "ok"}
+
+    @app.post("/continue_generation")
+    async def continue_generation() -> dict[str, str]:
+        engine.resume()
+        return {"message": "Generation continued successfully.", "status": "ok"}
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> PlainTextResponse:
+        running, waiting = engine.scheduler.in_flight()
+        if running or waiting:
+            return PlainTextResponse("Cache not flushed: requests are running or queued.",
+                                     status_code=400)
+        return PlainTextResponse("Cache flushed.\nPlease check backend logs for more details. "
+                                 "(When there are running or waiting requests, the operation "
+                                 "will not be performed.)")
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request) -> Response:
+        body = parse_json(await request.body())
+        engine.abort(body.get("rid"), abort_all=bool(body.get("abort_all", False)))
+        return Response(status_code=200)
+
+    @app.get("/model_info")
+    @app.get("/get_model_info")
+    async def model_info() -> dict[str, Any]:
+        return engine.model_info()
+
+    @app.get("/health")
+    async def health() -> Response:
+        # Busy (weight update or pause) is 503 like SGLang's blocked probe; it is not dead.
+        return Response(status_code=503 if engine.updating or engine.paused else 200)
+
+    @app.get("/health_generate")
+    async def health_generate() -> Response:
+        if engine.updating or engine.paused:
+            return Response(status_code=503)
+        probe = Sequence(rid=f"HEALTH_CHECK_{time.time_ns()}",
+                         input_ids=[next(iter(engine.eos_ids), 0)],
+                         params=dataclasses.replace(sampling_from_dict({"max_new_tokens": 1})))
+        try:
+            await asyncio.wait_for(engine.run(probe), timeout=20)
+        except TimeoutError:
+            return Response(status_code=503)
+        return Response(status_code=200)
+
+    return app
+
+
+def _update_result(success: bool, message: str) -> JSONResponse:
+    return JSONResponse({"success": success, "message": message, "num_paused_requests": 0},
+                        status_code=200 if success else 400)
+
+
+def _generate_seqs(engine: Engine, req: GenerateRequest) -> tuple[list[Sequence], bool]:
+    """One Sequence per prompt; `batched` when the request gave a list of prompts."""
+    if (req.text is None) == (req.input_ids is None):
+        raise EngineError("Either text or input_ids should be provided (exactly one).")
+    prompts: list[list[int]]
+    if req.text is not None:
+        batched = isinstance(req.text, list)
+        texts = req.text if isinstance(req.text, list) else [req.text]
+        prompts = [engine.encode(t) for t in texts]
+    else:
+        ids = req.input_ids or []
+        batched = bool(ids) and isinstance(ids[0], list)
+        prompts = [list(p) for p in ids] if batched else [list(ids)]  # type: ignore[arg-type]
+    params = sampling_from_dict(req.sampling_params)
+    seqs = []
+    for i, ids in enumerate(prompts):
+        if any(not 0 <= t < engine.vocab_size for t in ids):
+            raise EngineError(f"input_ids must be in [0, {engine.vocab_size})")
+        chat.check_context(engine, len(ids), params.max_new_tokens)
+        start = req.logprob_start_len
+        if start >= len(ids):
+            raise EngineError(f"logprob_start_len ({start}) must be smaller than the input "
+                              f"length ({len(ids)})")
+        # -1 means "output tokens only": SGLang then reports just the last prompt position.
+        rid = req.rid if not batched else f"{req.rid or 'gen'}-{i}"
+        seqs.append(Sequence(
+            rid=rid or f"{time.time_ns():x}", input_ids=ids,
+            params=dataclasses.replace(params, stop=list(params.stop),
+                                       stop_token_ids=list(params.stop_token_ids)),
+            return_logprob=req.return_logprob,
+            logprob_start_len=len(ids) - 1 if start < 0 else start,
+            top_logprobs_num=req.top_logprobs_num))
+    return seqs, batched
+
+
+def _triples(engine: Engine, req: GenerateRequest, lps: list[float | None],
+             ids: list[int]) -> list[list[Any]]:
+    return [[lp, t, engine.token_text(t) if req.return_text_in_logprobs else None]
+            for lp, t in zip(lps, ids, strict=True)]
+
+
+def _generate_body(engine: Engine, req: GenerateRequest, seq: Sequence,
+                   started: float) -> dict[str, Any]:
+    n = len(seq.output_ids)
+    spans = seq.weight_spans
+    meta: dict[str, Any] = {
+        "id": seq.rid, "finish_reason": seq.finish, "prompt_tokens": len(seq.input_ids),
+        "completion_tokens": n, "cached_tokens": 0,
+        "weight_version": spans[-1]["version"] if spans else engine.weight_version,
+        "e2e_latency": time.monotonic() - started,
+    }
+    if len(spans) > 1:
+        meta["weight_versions"] = spans
+    if req.return_logprob:
+        start = seq.logprob_start_len
+        meta["input_token_logprobs"] = _triples(engine, req, seq.input_logprobs,
+                                                seq.input_ids[start:])
+        meta["output_token_logprobs"] = _triples(engine, req, list(seq.output_logprobs[:n]),
+                                                 seq.output_ids[:n])
+        meta["output_token_logprobs_length"] = n
+        if req.top_logprobs_num > 0:
+            meta["input_top_logprobs"] = [
+                None if row is None else [[lp, t, None] for lp, t in row] for row in seq.input_top]
+            meta["output_top_logprobs"] = [[[lp, t, None] for lp, t in row]
+                                           for row in seq.output_top[:n]]
+    return {"text": chat.visible_text(engine, seq, final=seq.finish is not None),
+            "output_ids": list(seq.output_ids[:n]), "meta_info": meta}
+
+
+async def _generate_stream(engine: Engine, req: GenerateRequest, seq: Sequence,
+                           started: float) -> AsyncIterator[str]:
+    """SGLang's default (non-incremental) stream: every chunk is cumulative."""
+    async for _ in engine.generate(seq):
+        yield f"data: {json.dumps(_generate_body(engine, req, seq, started))}\n\n"
+    yield "data: [DONE]\n\n"
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="clawrl engine",
+                                     description="serve a Hugging Face causal LM with the "
+                                                 "subset of SGLang's HTTP API clawrl uses")
+    parser.add_argument("--model", "--model-path", dest="model", required=True, type=Path)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--served-model-name", default=None)
+    parser.add_argument("--weight-version", default="default")
+    parser.add_argument("--device", default="auto", help="cpu, cuda or auto")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--max-batch", type=int, default=32)
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--log-level", default="warning")
+    args = parser.parse_args(argv)
+    if not (args.model / "config.json").is_file():
+        print(f"clawrl engine: {args.model} is not a Hugging Face model directory "
+              "(no config.json)", file=sys.stderr)
+        return 1
+    import torch
+    import uvicorn
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" \
+        else args.device
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    try:
+        engine = Engine(str(args.model), served_model_name=args.served_model_name,
+                        weight_version=args.weight_version, device=device,
+                        dtype=getattr(torch, args.dtype), max_batch=args.max_batch)
+    except Exception as exc:  # a model that cannot load: one line, non-zero exit
+        print(f"clawrl engine: cannot load {args.model}: {exc}", file=sys.stderr)
+        return 1
+    app = create_app(engine, api_key=args.api_key)
+    print(f"clawrl engine: serving {args.model} on http://{args.host}:{args.port} "
+          f"({device}, weight_version {engine.weight_version})", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                access_log=False, timeout_graceful_shutdown=5)
+    return 0

@@ -1,0 +1,177 @@
+"""Advantages and the policy loss: pure tensor functions, no model, no I/O.
+
+Every per-token tensor lives on the *target grid* `[B, T]` with `T = L - 1` for a padded
+batch of input ids `[B, L]`: column `j` holds quantities about token `input_ids[:, j + 1]`,
+predicted from the logits at position `j` (Hugging Face causal LMs shift labels themselves;
+we do our own gathering, so the shift happens exactly once, here in `gather_logprobs`).
+`mask[b, j]` is 1 where `input_ids[b, j + 1]` is a response token of a trainable sample and
+0 on prompt tokens and padding.
+
+The objective (DESIGN §4), per response token t of sample b:
+
+    A_t     = w_rl · r_b + w_opd · (teacher_logp_t − rollout_logp_t)   (each term only where present)
+    ratio_t = exp(logp_new_t − rollout_logp_t)                          (behaviour = serving policy)
+    pg_t    = −min(ratio_t · A_t, clip(ratio_t, 1 − ε_low, 1 + ε_high) · A_t)
+    kl_t    = exp(ref_t − new_t) − (ref_t − new_t) − 1                  (k3, ≥ 0, unbiased for KL)
+    loss    = Σ_t mask · (pg_t + β · kl_t − c · H_t) / num_tokens
+
+`num_tokens` is the number of masked tokens in the whole *batch*, passed in so that the sum
+of micro-batch losses under gradient accumulation equals the token mean of the full batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+METHODS = ("rl", "opd", "combine")
+
+
+def gather_logprobs(logits: Tensor, input_ids: Tensor) -> Tensor:
+    """Log-probability of each next token: `[B, L, V]`, `[B, L]` -> `[B, L-1]` (float32).
+
+    out[b, j] = log softmax(logits[b, j])[input_ids[b, j + 1]]. Computed as
+    gathered logit − logsumexp so no `[B, L, V]` log-softmax tensor is materialised twice.
+    """
+    logits = logits[:, :-1].float()
+    targets = input_ids[:, 1:].unsqueeze(-1)
+    picked = torch.gather(logits, -1, targets).squeeze(-1)
+    return picked - torch.logsumexp(logits, dim=-1)
+
+
+def entropy_from_logits(logits: Tensor) -> Tensor:
+    """Entropy of each next-token distribution: `[B, L, V]` -> `[B, L-1]` (float32)."""
+    logits = logits[:, :-1].float()
+    logp = torch.log_softmax(logits, dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def compute_advantages(
+    *,
+    method: str,
+    w_rl: float,
+    w_opd: float,
+    reward: Tensor,
+    has_reward: Tensor,
+    teacher_logp: Tensor,
+    has_teacher: Tensor,
+    rollout_logp: Tensor,
+) -> tuple[Tensor, Tensor]:
+    """Per-token advantages `[B, T]` and which samples carry a signal `[B]` (bool).
+
+    reward `[B]` float (value ignored where `has_reward` is False: a NULL reward is *absent*,
+    never 0); teacher_logp and rollout_logp `[B, T]` on the target grid (teacher ignored where
+    `has_teacher` is False). `method` selects the terms: 'rl' reward only, 'opd' teacher only,
+    'combine' both, each only where present. A sample with no selected term has signal False
+    and advantage 0 everywhere; the caller must drop it from the loss mask.
+    """
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
+    use_rl = method in ("rl", "combine")
+    use_opd = method in ("opd", "combine")
+    rl_on = has_reward.bool() & use_rl  # [B]
+    opd_on = has_teacher.bool() & use_opd  # [B]
+
+    # Sequence-level reward broadcast over the sample's tokens: [B] -> [B, 1].
+    rl_term = torch.where(rl_on, reward.float(), 0.0).unsqueeze(-1)
+    # Token-level distillation signal: positive where the hinted teacher likes the sampled
+    # token more than the policy that sampled it did.
+    opd_term = torch.where(opd_on.unsqueeze(-1), teacher_logp.float() - rollout_logp.float(), 0.0)
+    advantages = w_rl * rl_term + w_opd * opd_term  # [B, T]
+    return advantages, rl_on | opd_on
+
+
+def masked_sum(x: Tensor, mask: Tensor) -> Tensor:
+    return (x * mask).sum()
+
+
+def k3_kl(logp_new: Tensor, logp_ref: Tensor) -> Tensor:
+    """k3 estimator of KL(new ‖ ref) per token: exp(d) − d − 1 with d = ref − new (≥ 0)."""
+    d = logp_ref - logp_new
+    return torch.exp(d) - d - 1.0
+
+
+@dataclass
+class LossTerms:
+    """The scalar loss to backpropagate plus detached per-term sums for logging.
+
+    Sums (not means) so micro batches can be added up; divide by `num_tokens` for means.
+    """
+
+    loss: Tensor
+    pg_sum: float
+    kl_sum: float
+    entropy_sum: float
+    clipped_low: int  # tokens where the low clip bound was active (A < 0, ratio < 1 − ε_low)
+    clipped_high: int  # tokens where the high clip bound was active (A > 0, ratio > 1 + ε_high)
+    ratio_sum: float
+    abs_log_ratio_max: float
+
+
+def policy_loss(
+    *,
+    logp_new: Tensor,
+    rollout_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    num_tokens: int,
+    eps_low: float,
+    eps_high: float,
+    logp_ref: Tensor | None = None,
+    kl_coef: float = 0.0,
+    entropy: Tensor | None = None,
+    entropy_coef: float = 0.0,
+) -> LossTerms:
+    """PPO clipped surrogate with asymmetric clip, token-mean over the batch.
+
+    All tensors `[B, T]` on the target grid; `mask` float/bool `[B, T]`; `num_tokens` = mask
+    total over the whole batch (≥ 1). Gradients flow through `logp_new` (and `entropy`) only.
+    """
+    mask = mask.float()
+    denom = float(max(num_tokens, 1))
+    adv = advantages.detach()
+    log_ratio = logp_new - rollout_logp.detach()
+    # Where the mask is 0 the values may be garbage (padding); zero them before exp so an
+    # overflow there cannot turn the masked sum into NaN (0 · inf = NaN).
+    log_ratio = torch.where(mask > 0, log_ratio, 0.0)
+    ratio = torch.exp(log_ratio)
+    surr_unclipped = ratio * adv
+    surr_clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * adv
+    # Pessimistic bound: the min keeps the clipped value only when clipping *lowers* the
+    # objective, i.e. A > 0 with ratio above 1 + ε_high, or A < 0 with ratio below 1 − ε_low.
+    pg = -torch.minimum(surr_unclipped, surr_clipped)
+    loss = masked_sum(pg, mask) / denom
+
+    kl_sum = 0.0
+    if logp_ref is not None and kl_coef > 0:
+        ref = torch.where(mask > 0, logp_ref.detach(), logp_new.detach())
+        kl = k3_kl(logp_new, ref)
+        kl_total = masked_sum(kl, mask)
+        loss = loss + kl_coef * kl_total / denom
+        kl_sum = float(kl_total.detach())
+
+    entropy_sum = 0.0
+    if entropy is not None:
+        ent_total = masked_sum(entropy, mask)
+        if entropy_coef > 0:
+            loss = loss - entropy_coef * ent_total / denom
+        entropy_sum = float(ent_total.detach())
+
+    with torch.no_grad():
+        on = mask > 0
+        clipped_low = int(((adv < 0) & (ratio < 1.0 - eps_low) & on).sum())
+        clipped_high = int(((adv > 0) & (ratio > 1.0 + eps_high) & on).sum())
+        ratio_sum = float(masked_sum(ratio, mask))
+        abs_lr = float(log_ratio.abs().max()) if on.any() else 0.0
+    return LossTerms(
+        loss=loss,
+        pg_sum=float(masked_sum(pg, mask).detach()),
+        kl_sum=kl_sum,
+        entropy_sum=entropy_sum,
+        clipped_low=clipped_low,
+        clipped_high=clipped_high,
+        ratio_sum=ratio_sum,
+        abs_log_ratio_max=abs_lr,
+    )

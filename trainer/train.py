@@ -1,0 +1,222 @@
+"""`clawrl train`: turn judged samples into gradient steps and hot-swap them into the engine.
+
+    clawrl train [--backend torch] [--model DIR] [--once] [--max-steps N]
+    python -m trainer.train …            (the same; settings from CLAWRL_… environment)
+
+One step, in order — the order is the crash-safety argument:
+
+    1. claim    lock up to batch_size ready samples (SKIP LOCKED, transaction left open)
+    2. train    forward/backward/AdamW; NaN/inf -> step recorded 'skipped', weights untouched
+    3. save     weights/v{N:06d}/ (weights + optimizer + RNG), completion marker last
+    4. commit   ONE transaction: training_steps N + policy_versions N ('saved') + samples
+                trained_step = N, committed with the row locks from step 1
+    5. publish  /update_weights_from_disk, version read back -> policy_versions 'published'
+
+Killed before 4: the transaction rolls back, the samples are claimable again, and the
+restart deletes v{N} (no DB row) and retrains them from v{N−1}. Killed after 4: restart
+loads v{N} and publishes it if it was not. Nothing is lost, nothing is trained twice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from statistics import mean
+from typing import Any
+
+from sqlalchemy import func, update
+from sqlalchemy.engine import Engine
+
+from proxy.db import PolicyVersion, create_engine
+from proxy.settings import EngineSettings
+from trainer.backends.base import Backend, StepStats, make_backend
+from trainer.checkpoint import (
+    drop_old_trainer_states,
+    find_resume_point,
+    load_checkpoint,
+    save_checkpoint,
+)
+from trainer.config import Settings, TrainerSettings, load_settings
+from trainer.data import Claim, claim_batch, record_step
+from trainer.export import CheckpointError
+from trainer.metrics import TrainerMetrics
+from trainer.publish import PublishError, publish_version
+
+log = logging.getLogger("clawrl.trainer")
+
+
+class StopFlag:
+    """Set by SIGTERM/SIGINT: the step in progress finishes, then the loop exits."""
+
+    def __init__(self) -> None:
+        self.stop = False
+
+    def install(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: setattr(self, "stop", True))
+
+    def __call__(self) -> bool:
+        return self.stop
+
+
+def publish(db: Engine, engine: EngineSettings, cfg: TrainerSettings, version: int,
+            path: Path, metrics: TrainerMetrics) -> bool:
+    """Publish a saved version and mark it 'published'; on failure keep serving the old one."""
+    try:
+        publish_version(engine, path, version, attempts=cfg.publish_attempts,
+                        backoff_s=cfg.publish_backoff_s, timeout_s=cfg.publish_timeout_s)
+    except (PublishError, CheckpointError) as exc:
+        metrics.publish_failures.inc()
+        log.error("v%d not published (engine keeps its current weights): %s", version, exc,
+                  extra={"action": "publish_failed"})
+        return False
+    with db.begin() as conn:
+        conn.execute(update(PolicyVersion.__table__)
+                     .where(PolicyVersion.__table__.c.version == version)
+                     .values(status="published", published_at=func.now()))
+    metrics.version.set(version)
+    return True
+
+
+def step_rows(step: int, stats: StepStats, claim: Claim, skipped: Counter[str],
+              path: Path | None) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """The training_steps row and (for an ok step) the policy_versions row of step N."""
+    rewards = [r for r in claim.rewards if r is not None]
+    reward_mean = mean(rewards) if rewards else None
+    staleness = mean(claim.batch.staleness)
+    ok = stats.status == "ok"
+    metrics = stats.as_metrics() | {"skipped": dict(skipped)}
+    step_row = dict(step=step, version=step if ok else None, status=stats.status,
+                    num_samples=stats.num_samples, num_tokens=stats.num_tokens, loss=stats.loss,
+                    reward_mean=reward_mean, staleness_mean=staleness,
+                    skipped_stale=skipped.get("stale", 0), tokens_per_s=stats.tokens_per_s,
+                    metrics=metrics)
+    if not ok:
+        return step_row, None
+    version_row = dict(version=step, step=step, path=str(path), status="saved",
+                       num_samples=stats.num_samples, loss=stats.loss, reward_mean=reward_mean,
+                       stats=metrics)
+    return step_row, version_row
+
+
+def progress_line(step: int, stats: StepStats, row: dict[str, Any], published: str) -> str:
+    reward = row["reward_mean"]
+    loss = "-" if stats.loss is None else f"{stats.loss:+.4f}"
+    skipped = sum(row["metrics"]["skipped"].values())
+    return (f"step {step:>5} {stats.status:<7} | {stats.num_samples} samples "
+            f"{stats.num_tokens} tok {stats.tokens_per_s:,.0f} tok/s | loss {loss} | reward "
+            f"{'-' if reward is None else f'{reward:+.2f}'} | staleness "
+            f"{row['staleness_mean']:.1f} ({skipped} skipped) | {published}")
+
+
+def train(settings: Settings, *, max_steps: int | None = None, once: bool = False,
+          should_stop: StopFlag | None = None, backend: Backend | None = None) -> int:
+    """The trainer loop (see the module docstring). Returns the number of ok steps."""
+    cfg, stop = settings.trainer, should_stop or StopFlag()
+    from proxy.dbcli import resolve_url
+
+    db = create_engine(resolve_url(settings))
+    base_dir, weights_dir = settings.model_dir(), settings.weights_dir()
+    metrics = TrainerMetrics(settings.metrics_textfile(), cfg.metrics_port)
+
+    # Resume: drop checkpoints the DB never committed, load the newest real one.
+    backend = backend or make_backend(cfg)
+    point = find_resume_point(db, weights_dir)
+    load_checkpoint(backend, cfg, base_dir, point.path)
+    current = point.version
+    log.info("resuming at v%d, next step %d", current, point.next_step,
+             extra={"action": "resume"})
+    if point.path is not None and not point.published:
+        publish(db, settings.engine, cfg, current, point.path, metrics)
+
+    step, ok_steps = point.next_step, 0
+    while not stop() and (max_steps is None or ok_steps < max_steps):
+        # 1. claim
+        claim, skipped = claim_batch(db, cfg, backend.limits, current, should_stop=stop,
+                                     give_up_after_s=cfg.max_wait_s if once else None)
+        if claim is None:
+            if skipped:
+                log.info("skipped samples: %s", dict(skipped), extra={"action": "skip"})
+            if once:
+                print("no trainable samples ready", flush=True)
+                break
+            continue
+        # 2. train
+        try:
+            stats = backend.train_step(claim.batch)
+        except BaseException:
+            claim.release()
+            raise
+        # 3. save (ok steps only)
+        path = None
+        if stats.status == "ok":
+            t0 = time.perf_counter()
+            path = save_checkpoint(backend, weights_dir, step, base_dir, {"step": step})
+        # 4. commit
+        step_row, version_row = step_rows(step, stats, claim, skipped, path)
+        record_step(claim, step=step_row, version=version_row, trained=stats.status == "ok")
+        metrics.record_step(step, stats, step_row["reward_mean"], step_row["staleness_mean"],
+                            dict(skipped))
+        # 5. publish
+        if path is not None:
+            current = step
+            published = publish(db, settings.engine, cfg, step, path, metrics)
+            metrics.publish_seconds.set(time.perf_counter() - t0)
+            status = f"v{step} {'published' if published else 'NOT published (saved)'}"
+            drop_old_trainer_states(weights_dir, cfg.keep_trainer_states)
+            ok_steps += 1
+        else:
+            status = f"skipped: {stats.reason}"
+        metrics.write()
+        print(progress_line(step, stats, step_row, status), flush=True)
+        step += 1
+        if once:
+            break
+    db.dispose()
+    return ok_steps
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="clawrl train", description=__doc__.split("\n\n")[0])
+    p.add_argument("--backend", choices=["torch", "megatron"], help="training backend")
+    p.add_argument("--model", type=Path, help="base model directory (Hugging Face format)")
+    p.add_argument("--weights-dir", type=Path, help="where v{N:06d}/ checkpoints go")
+    p.add_argument("--engine-url", help="serving engine to publish to")
+    p.add_argument("--method", choices=["rl", "opd", "combine"])
+    p.add_argument("--once", action="store_true",
+                   help="train one batch from what is ready (waits at most max_wait_s), exit")
+    p.add_argument("--max-steps", type=int, help="stop after N ok (saved) steps")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    settings = load_settings()
+    overrides = {k: v for k, v in (("backend", args.backend), ("model", args.model),
+                                   ("weights_dir", args.weights_dir), ("method", args.method))
+                 if v is not None}
+    settings.trainer = settings.trainer.model_copy(update=overrides)
+    if args.engine_url:
+        settings.engine = settings.engine.model_copy(update={"url": args.engine_url})
+    if not (settings.model_dir() / "config.json").is_file():
+        print(f"clawrl train: no model at {settings.model_dir()} (build it with `clawrl "
+              "tinyworld build` or pass --model DIR)", file=sys.stderr)
+        return 1
+    stop = StopFlag()
+    stop.install()
+    try:
+        train(settings, max_steps=args.max_steps, once=args.once, should_stop=stop)
+    except CheckpointError as exc:
+        print(f"clawrl train: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

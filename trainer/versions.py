@@ -1,0 +1,165 @@
+"""`clawrl versions`: list weight versions, roll the engine back to one, prune old folders.
+
+    clawrl versions list                 every version: status, samples, loss, reward, folder
+    clawrl versions rollback N           re-publish v N to the engine; newer versions 'retired'
+    clawrl versions prune --keep K       delete folders of all but the newest K versions
+
+Rollback re-publishes the old folder with `weight_version = N`, so new turns record N. Newer
+versions are marked 'retired': a (re)started trainer resumes from N, never from a retired
+version. Stop the trainer before rolling back, or its next step publishes on top again.
+Samples already trained by retired versions stay consumed. Prune never deletes the version
+the engine serves (nor the newest K non-retired versions, one of which the trainer resumes
+from); pruned versions are marked 'retired'.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+from sqlalchemy import func, select, update
+from sqlalchemy.engine import Engine
+
+from proxy.db import PolicyVersion, create_engine
+from proxy.settings import EngineSettings
+from trainer.config import Settings, load_settings
+from trainer.export import CheckpointError, verify_version, version_dir
+from trainer.publish import PublishError, engine_client, publish_version, serving_version
+
+PV = PolicyVersion.__table__
+
+
+class VersionsError(Exception):
+    """A versions command that cannot run (message is the one line shown to the user)."""
+
+
+def engine_serving(engine: EngineSettings) -> str | None:
+    """The engine's current weight_version, or None when it cannot be asked."""
+    try:
+        with engine_client(engine, 10.0) as client:
+            return serving_version(client)
+    except httpx.HTTPError:
+        return None
+
+
+def folder_state(path: Path) -> str:
+    try:
+        verify_version(path)
+    except CheckpointError as exc:
+        return "missing" if not path.exists() else f"bad ({exc})"
+    return "ok"
+
+
+def list_versions(db: Engine, weights_dir: Path) -> list[dict[str, Any]]:
+    with db.connect() as conn:
+        rows = conn.execute(select(PV).order_by(PV.c.version)).mappings().all()
+    return [dict(r) | {"folder": folder_state(version_dir(weights_dir, r["version"]))}
+            for r in rows]
+
+
+def rollback(db: Engine, engine: EngineSettings, weights_dir: Path, version: int,
+             attempts: int = 3) -> dict[str, Any]:
+    """Publish version N again and retire every newer version. Returns the engine's info."""
+    with db.connect() as conn:
+        row = conn.execute(select(PV.c.status).where(PV.c.version == version)).first()
+    if row is None:
+        raise VersionsError(f"no version {version} (see `clawrl versions list`)")
+    path = version_dir(weights_dir, version)
+    try:
+        info = publish_version(engine, path, version, attempts=attempts)
+    except (CheckpointError, PublishError) as exc:
+        raise VersionsError(f"rollback to v{version} refused, engine unchanged: {exc}") from exc
+    with db.begin() as conn:
+        conn.execute(update(PV).where(PV.c.version > version, PV.c.status != "retired")
+                     .values(status="retired"))
+        conn.execute(update(PV).where(PV.c.version == version)
+                     .values(status="published", published_at=func.now()))
+    return info
+
+
+def prune(db: Engine, engine: EngineSettings, weights_dir: Path, keep: int,
+          dry_run: bool = False) -> list[int]:
+    """Delete the folders of all versions but the newest `keep` non-retired ones and the
+    serving one; mark them 'retired'. Returns the pruned version numbers."""
+    if keep < 1:
+        raise VersionsError("--keep must be at least 1 (the trainer resumes from the newest)")
+    with db.connect() as conn:
+        rows = conn.execute(select(PV.c.version, PV.c.status, PV.c.published_at)
+                            .order_by(PV.c.version)).all()
+    live = [r.version for r in rows if r.status != "retired"]
+    protected = set(live[-keep:])
+    serving = engine_serving(engine)
+    if serving is not None and serving.isdigit():
+        protected.add(int(serving))
+    else:  # engine unreachable: protect what the DB says was published last
+        published = [r for r in rows if r.published_at is not None]
+        if published:
+            protected.add(max(published, key=lambda r: r.published_at).version)
+    victims = [r.version for r in rows if r.version not in protected
+               and version_dir(weights_dir, r.version).exists()]
+    if dry_run:
+        return victims
+    for n in victims:
+        with db.begin() as conn:
+            conn.execute(update(PV).where(PV.c.version == n).values(status="retired"))
+        shutil.rmtree(version_dir(weights_dir, n))
+    return victims
+
+
+def _fmt(v: Any, spec: str = "") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def print_list(rows: list[dict[str, Any]], serving: str | None) -> None:
+    print(f"{'':1} {'version':>7} {'step':>5} {'status':<9} {'samples':>7} {'loss':>9} "
+          f"{'reward':>6}  {'created':<19}  folder")
+    for r in rows:
+        mark = "*" if serving is not None and serving == str(r["version"]) else " "
+        print(f"{mark} {r['version']:>7} {_fmt(r['step']):>5} {r['status']:<9} "
+              f"{r['num_samples']:>7} {_fmt(r['loss'], '+.4f'):>9} "
+              f"{_fmt(r['reward_mean'], '+.2f'):>6}  {r['created_at']:%Y-%m-%d %H:%M:%S}  "
+              f"{r['folder']}")
+    print(f"* = serving (engine reports weight_version {serving!r})" if serving is not None
+          else "engine unreachable: serving version unknown")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="clawrl versions", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("list", help="list weight versions")
+    rb = sub.add_parser("rollback", help="re-publish an older version")
+    rb.add_argument("version", type=int)
+    pr = sub.add_parser("prune", help="delete old version folders")
+    pr.add_argument("--keep", type=int, required=True)
+    pr.add_argument("--dry-run", action="store_true")
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+
+    settings: Settings = load_settings()
+    from proxy.dbcli import resolve_url
+
+    db = create_engine(resolve_url(settings))
+    weights_dir = settings.weights_dir()
+    try:
+        if args.cmd == "list":
+            print_list(list_versions(db, weights_dir), engine_serving(settings.engine))
+        elif args.cmd == "rollback":
+            info = rollback(db, settings.engine, weights_dir, args.version)
+            print(f"engine now serves v{info.get('weight_version')} from {info.get('model_path')}")
+        else:
+            pruned = prune(db, settings.engine, weights_dir, args.keep, args.dry_run)
+            verb = "would prune" if args.dry_run else "pruned"
+            print(f"{verb} {len(pruned)} version(s): {', '.join(map(str, pruned)) or '-'}")
+    except VersionsError as exc:
+        print(f"clawrl versions: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        db.dispose()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
