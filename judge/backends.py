@@ -19,6 +19,7 @@ import httpx
 
 from judge.config import JudgeSettings
 from judge.errors import BackendRejected, BackendUnavailable, BadBackendResponse
+from judge.parse import storable
 from proxy.settings import EngineSettings
 
 
@@ -93,7 +94,7 @@ class ChatBackend:
         text = message.get("content") if isinstance(message, dict) else None
         metadata = data.get("metadata") if isinstance(data, dict) else None
         version = metadata.get("weight_version") if isinstance(metadata, dict) else None
-        return Completion(text=text if isinstance(text, str) else "",
+        return Completion(text=storable(text) if isinstance(text, str) else "",
                           model=data.get("model") or self.model,
                           weight_version=str(version) if version is not None else None)
 

@@ -17,6 +17,12 @@ _HINT_MARK = re.compile(r"\[/?HINT\]")
 NO_HINT = "[NO_HINT]"
 
 
+def storable(text: str) -> str:
+    """The text as Postgres can store it in text/JSONB: no NUL characters, no lone
+    surrogates (a random or broken model emits both)."""
+    return text.replace("\x00", "\ufffd").encode("utf-8", "replace").decode("utf-8")
+
+
 def parse_score(text: str) -> int | None:
     """The score in the one `\\boxed{…}` of `text`: 1, -1 or 0; None when ambiguous."""
     if len(_BOX_OPEN.findall(text)) != 1:

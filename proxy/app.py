@@ -25,6 +25,7 @@ from typing import Any
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -165,17 +166,18 @@ def main(argv: list[str]) -> int:
         print(f"clawrl proxy: {problem}", file=sys.stderr)
         return 2
     settings.engine.url = args.engine_url
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
     from proxy import dbcli
 
     try:
         url = dbcli.resolve_url(settings)
-        app = create_app(settings, db_url=url)
-        create_async(url)  # validates the URL's form now rather than at the first request
+        if make_url(url).get_backend_name() != "postgresql":
+            raise ValueError(f"{make_url(url)!r} is not a postgresql:// URL")
     except (ArgumentError, ValueError, OSError) as exc:
         print(f"clawrl proxy: bad database URL: {exc}", file=sys.stderr)
         return 2
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    app = create_app(settings, db_url=url)
     import uvicorn
 
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(),

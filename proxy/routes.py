@@ -87,8 +87,9 @@ async def chat_completions(request: Request) -> Response:
         body["model"] = state.settings.proxy.served_model_name or "default"
 
     uid = str(uuid.uuid4())
-    headers = {"X-Clawrl-Turn-Id": uid}
-    if session_ext is not None:
+    # Users opted out of logging get no turn id: there is no stored turn to refer to.
+    headers = {} if principal.log_opt_out else {"X-Clawrl-Turn-Id": uid}
+    if session_ext is not None and not principal.log_opt_out:
         headers["X-Clawrl-Session-Id"] = str(explicit_session_id(principal.user_id,
                                                                  session_ext))
     record = None if principal.log_opt_out else TurnRecord(

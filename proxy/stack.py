@@ -156,8 +156,6 @@ def has_module(name: str) -> bool:
 def ensure_model(model: Path | None, state_dir: Path, env: dict[str, str]) -> Path:
     """The model directory to serve: given, or the cached tiny world model (built once)."""
     if model is not None:
-        if not (model / "config.json").is_file():
-            raise StackError(f"--model {model}: no Hugging Face model there (config.json)")
         return model.resolve()
     model = (state_dir / "models" / "tinyworld").resolve()
     if has_module("trainer.pretrain"):
@@ -228,16 +226,19 @@ def run_stack(args: argparse.Namespace) -> int:
     state_dir.mkdir(parents=True, exist_ok=True)
     for port, what in ((args.proxy_port, "proxy"), (args.engine_port, "engine")):
         _check_port_free(port, what)
+    if args.model is not None and not (args.model / "config.json").is_file():
+        raise StackError(f"--model {args.model}: no Hugging Face model there (config.json)")
     settings = load_settings(state_dir=state_dir)
     embedded = settings.database.url is None
     if embedded:
         print(f"starting embedded Postgres in {state_dir / 'pg'} …", flush=True)
     try:
-        db_url = resolve_url(settings)
-        upgrade(db_url)
-    except (ArgumentError, DBAPIError, OSError, subprocess.CalledProcessError) as exc:
-        raise StackError(f"database: {first_line(getattr(exc, 'orig', None) or exc)}") from exc
-    try:
+        try:
+            db_url = resolve_url(settings)
+            upgrade(db_url)
+        except (ArgumentError, DBAPIError, OSError, subprocess.CalledProcessError) as exc:
+            inner = getattr(exc, "orig", None) or exc
+            raise StackError(f"database: {first_line(inner)}") from exc
         return run_children(args, state_dir, db_url)
     finally:
         if embedded:

@@ -93,6 +93,7 @@ class TurnWriter:
         return items
 
     async def _run(self) -> None:
+        await self._replay()  # left over from a previous run
         while True:
             timeout = self.retry_s if self.journal.pending else None
             try:

@@ -165,3 +165,38 @@ def engine_url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
         yield engine.url
     finally:
         engine.stop()
+
+
+# --- the pretrained tiny world model, test size (trainer/pretrain.py) ---
+
+import fcntl  # noqa: E402
+import hashlib  # noqa: E402
+
+_REPO = Path(__file__).resolve().parent.parent
+
+
+def _tinyworld_code_hash() -> str:
+    h = hashlib.sha256()
+    files = [_REPO / "trainer" / f for f in
+             ("world.py", "corpus.py", "pretrain.py", "world_report.py", "tinyworld.py")]
+    for path in files + sorted((_REPO / "judge" / "templates").glob("*.txt")):
+        h.update(path.read_bytes())
+    return h.hexdigest()[:12]
+
+
+@pytest.fixture(scope="session")
+def small_world_dir() -> Path:
+    """The `--small` pretrained tiny world model, built once per code version.
+
+    Cached under .clawrl/test-cache/tinyworld-small-<hash of the corpus code> (a lock keeps
+    parallel test runs from building it twice); built in a child process (~40-90 s).
+    """
+    cache = _REPO / ".clawrl" / "test-cache"
+    cache.mkdir(parents=True, exist_ok=True)
+    path = cache / f"tinyworld-small-{_tinyworld_code_hash()}"
+    with open(cache / "tinyworld.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (path / "tinyworld.json").is_file():
+            subprocess.run([sys.executable, "-m", "trainer.tinyworld", "build", str(path),
+                            "--small"], check=True, capture_output=True, text=True, cwd=_REPO)
+    return path

@@ -57,6 +57,9 @@ class TrainerSettings(BaseModel):
     max_staleness: int = Field(default=4, ge=0)
 
     backend: Literal["torch", "megatron"] = "torch"
+    # megatron backend only: tensor / pipeline parallel sizes (data parallel = world / tp·pp).
+    tp: int = Field(default=1, ge=1)
+    pp: int = Field(default=1, ge=1)
     # Base model (Hugging Face directory). None: `<state_dir>/models/tinyworld`.
     model: Path | None = None
     # Where `v{N:06d}/` checkpoints go. None: `<state_dir>/weights`.

@@ -43,10 +43,10 @@ class BuildConfig:
     vocab_size: int = 768
     tokenizer_examples: int = 4000
     seq_len: int = 256
-    batch_size: int = 32
-    steps: int = 420
-    lr: float = 3e-3
-    warmup: int = 20
+    batch_size: int = 16
+    steps: int = 600
+    lr: float = 2e-3
+    warmup: int = 30
     eval_cases: int = 64
     threads: int = 2
 
@@ -56,12 +56,15 @@ SMALL = BuildConfig(size="test", tokenizer_examples=1500, batch_size=16, steps=1
                     eval_cases=12, threads=1)
 
 
+# Bump when the corpus or training changes meaning: a cached build with another version is
+# rebuilt. (Not a hash of the code, so unrelated edits do not throw away a 10-minute build.)
+CORPUS_VERSION = 1
+
+
 def build_key(config: BuildConfig) -> str:
-    """Hash of the config and of the code and templates that generate the corpus."""
-    here = Path(__file__).resolve().parent
-    h = hashlib.sha256(json.dumps(asdict(config), sort_keys=True).encode())
-    for path in [here / "world.py", here / "corpus.py", here / "pretrain.py",
-                 *sorted(TEMPLATE_DIR.glob("*_v1.txt"))]:
+    """Hash of the config, the corpus version and the judge templates the corpus renders."""
+    h = hashlib.sha256(json.dumps([asdict(config), CORPUS_VERSION], sort_keys=True).encode())
+    for path in sorted(TEMPLATE_DIR.glob("*_v1.txt")):
         h.update(path.read_bytes())
     return h.hexdigest()[:16]
 
@@ -145,12 +148,16 @@ def train_world_tokenizer(world: World, config: BuildConfig) -> Any:
     return train_tokenizer(texts, config.vocab_size)
 
 
-def lr_at(step: int, config: BuildConfig) -> float:
-    """Linear warmup, then cosine decay to 10% of the peak."""
+def lr_at(step: int, config: BuildConfig, time_progress: float = 0.0) -> float:
+    """Linear warmup, then cosine decay to 10% of the peak.
+
+    Progress is the larger of step progress and time progress (elapsed / time cap), so a
+    build that hits its time cap still ends with an annealed learning rate.
+    """
     if step < config.warmup:
         return config.lr * (step + 1) / config.warmup
-    progress = (step - config.warmup) / max(1, config.steps - config.warmup)
-    return config.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+    progress = max((step - config.warmup) / max(1, config.steps - config.warmup), time_progress)
+    return config.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
 def train_model(world: World, tokenizer: Any, config: BuildConfig, max_seconds: float | None,
@@ -180,22 +187,24 @@ def train_model(world: World, tokenizer: Any, config: BuildConfig, max_seconds: 
     step = 0
     for step in range(config.steps):
         batch = to_tensors(*next(batches), config.seq_len, pad_id)
+        time_progress = (time.monotonic() - start) / max_seconds if max_seconds else 0.0
+        lr = lr_at(step, config, time_progress)
         for group in opt.param_groups:
-            group["lr"] = lr_at(step, config)
+            group["lr"] = lr
         loss = model(**batch).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         tokens += int(batch["attention_mask"].sum())
         elapsed = time.monotonic() - start
         if step % 10 == 0 or step == config.steps - 1:
             eta = elapsed / (step + 1) * (config.steps - step - 1)
             log(f"step {step + 1}/{config.steps} loss {sum(losses[-10:]) / len(losses[-10:]):.3f}"
-                f" lr {lr_at(step, config):.1e} {tokens / elapsed:,.0f} tok/s"
+                f" lr {lr:.1e} {tokens / elapsed:,.0f} tok/s"
                 f" elapsed {elapsed:.0f}s eta {eta:.0f}s")
-        if max_seconds is not None and elapsed > max_seconds and step < config.steps - 1:
+        if max_seconds and elapsed > max_seconds and step < config.steps - 1:
             log(f"time cap reached after {step + 1} steps; stopping early")
             break
     model.eval()
@@ -234,6 +243,7 @@ def build(directory: Path, config: BuildConfig, max_seconds: float | None = None
     shutil.rmtree(directory, ignore_errors=True)
     tmp.rename(directory)
     log(json.dumps({k: v for k, v in report.items() if k != "config"}, indent=1))
+    log(f"built {directory}")
     return directory
 
 

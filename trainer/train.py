@@ -184,6 +184,8 @@ def train(settings: Settings, *, max_steps: int | None = None, once: bool = Fals
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="clawrl train", description=__doc__.split("\n\n")[0])
     p.add_argument("--backend", choices=["torch", "megatron"], help="training backend")
+    p.add_argument("--tp", type=int, help="megatron: tensor parallel size")
+    p.add_argument("--pp", type=int, help="megatron: pipeline parallel size")
     p.add_argument("--model", type=Path, help="base model directory (Hugging Face format)")
     p.add_argument("--weights-dir", type=Path, help="where v{N:06d}/ checkpoints go")
     p.add_argument("--engine-url", help="serving engine to publish to")
@@ -199,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     settings = load_settings()
     overrides = {k: v for k, v in (("backend", args.backend), ("model", args.model),
-                                   ("weights_dir", args.weights_dir), ("method", args.method))
+                                   ("weights_dir", args.weights_dir), ("method", args.method),
+                                   ("tp", args.tp), ("pp", args.pp))
                  if v is not None}
     settings.trainer = settings.trainer.model_copy(update=overrides)
     if args.engine_url:

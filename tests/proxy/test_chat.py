@@ -10,6 +10,7 @@ import uuid
 from typing import Any
 
 import httpx
+import openai
 import pytest
 from proxyharness import ProxyFactory, create_user, query
 
@@ -109,7 +110,7 @@ async def test_client_logprobs_and_tools_pass_through(proxy_factory: ProxyFactor
     async with proxy.client(key) as client:
         raw = await client.chat.completions.with_raw_response.create(
             model="tiny", messages=MESSAGES, temperature=0, max_tokens=6, logprobs=True,
-            tools=TOOLS, tool_choice="auto")
+            tools=TOOLS, tool_choice="auto", extra_body={"top_k": 1})
         completion = raw.parse()
         stream = await client.chat.completions.create(
             model="tiny", messages=MESSAGES, temperature=0, max_tokens=6, logprobs=True,
@@ -121,6 +122,7 @@ async def test_client_logprobs_and_tools_pass_through(proxy_factory: ProxyFactor
     await proxy.settle()
     row = turn(db_url, raw.headers["x-clawrl-turn-id"])
     assert row["tools"] == TOOLS and row["params"]["tool_choice"] == "auto"
+    assert row["params"]["top_k"] == 1  # unknown to OpenAI: passed through and logged
     assert query(db_url, "SELECT count(*) FROM turns WHERE tools IS NOT NULL") == [(2,)]
 
 
@@ -177,14 +179,13 @@ async def test_log_opt_out_is_served_and_not_stored(proxy_factory: ProxyFactory,
     proxy = await proxy_factory(engine_url)
     _, key = create_user(db_url, "private", log_opt_out=True)
     async with proxy.client(key) as client:
+        raw = await client.chat.completions.with_raw_response.create(
+            model="tiny", messages=MESSAGES, max_tokens=4, stream=stream)
         if stream:
-            got = [c async for c in await client.chat.completions.create(
-                model="tiny", messages=MESSAGES, max_tokens=4, stream=True)]
-            assert got
+            assert [c async for c in raw.parse()]  # type: ignore[union-attr]
         else:
-            done = await client.chat.completions.create(model="tiny", messages=MESSAGES,
-                                                        max_tokens=4)
-            assert done.choices
+            assert raw.parse().choices  # type: ignore[union-attr]
+        assert "x-clawrl-turn-id" not in raw.headers
     await proxy.settle()
     assert query(db_url, "SELECT count(*) FROM turns") == [(0,)]
 
@@ -238,3 +239,17 @@ async def test_models_health_and_metrics(proxy_factory: ProxyFactory, db_url: st
     assert 'clawrl_request_latency_seconds_count{route="/v1/chat/completions"} 1.0' in text
     assert 'clawrl_tokens_total{kind="completion"}' in text
     assert "clawrl_turn_log_backlog 0.0" in text and "clawrl_journal_turns 0.0" in text
+
+
+async def test_engine_rejection_passes_its_message(proxy_factory: ProxyFactory, db_url: str,
+                                                   engine_url: str) -> None:
+    proxy = await proxy_factory(engine_url)
+    _, key = create_user(db_url, "hank")
+    async with proxy.client(key) as client:
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError) as info:
+                await client.chat.completions.create(  # type: ignore[call-overload]
+                    model="tiny", messages=MESSAGES, stream=stream, extra_body={"top_k": 0})
+            assert "top_k" in info.value.message
+    await proxy.settle()
+    assert query(db_url, "SELECT count(*) FROM turns") == [(0,)]

@@ -138,3 +138,28 @@ def test_up_serves_and_stops_on_sigterm(state_dir: Path, tiny_model_dir: Path,
         rows = conn.execute("SELECT u.name, t.status FROM turns t JOIN users u "
                             "ON u.id = t.user_id").fetchall()
     assert rows == [("demo", "ok")]
+
+
+@pytest.mark.parametrize("args, env, message", [
+    (["--model", "/nonexistent"], {}, "--model /nonexistent: no Hugging Face model there"),
+    ([], {"CLAWRL_DATABASE__URL": "postgresql://postgres@127.0.0.1:1/x"}, "database: "),
+    ([], {"CLAWRL_DATABASE__URL": "nonsense"}, "database: "),
+])
+def test_up_bad_input_is_one_line(state_dir: Path, args: list[str], env: dict[str, str],
+                                  message: str) -> None:
+    done = clawrl(["up", "--proxy-port", str(free_port()), "--engine-port", str(free_port()),
+                   *args], state_dir, timeout=60, **env)
+    assert done.returncode == 1
+    errors = [line for line in done.stderr.splitlines() if line.startswith("clawrl up:")]
+    assert len(errors) == 1 and message in errors[0], done.stderr
+
+
+def test_up_port_in_use_is_one_line(state_dir: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        done = clawrl(["up", "--proxy-port", str(port)], state_dir, timeout=60)
+    assert done.returncode == 1
+    assert done.stderr.strip() == (f"clawrl up: port {port} for the proxy is in use "
+                                   "(Address already in use); pick another with --proxy-port")

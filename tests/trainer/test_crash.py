@@ -75,8 +75,8 @@ def test_kill_minus_nine_anywhere_loses_nothing_and_trains_nothing_twice(
     for delay in KILL_DELAYS:
         size = log.stat().st_size if log.exists() else 0
         proc = start_trainer(tmp_path, db_url, url, tiny_model_dir, log)
-        wait_for(lambda: "resuming at" in log.read_bytes()[size:].decode(errors="replace"),
-                 120, "the trainer to resume")
+        wait_for(lambda size=size: "resuming at" in log.read_bytes()[size:].decode(  # type: ignore[misc]
+            errors="replace"), 120, "the trainer to resume")
         time.sleep(delay)
         proc.kill()  # SIGKILL: no cleanup of any kind
         proc.wait(timeout=30)

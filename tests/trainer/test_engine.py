@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -235,3 +234,33 @@ async def test_openai_sdk_streams_from_the_engine(engine_url: str, tiny_model_di
         await client.close()
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens >= 1
     assert [m.id for m in models.data] == [str(tiny_model_dir)]  # served name = model path
+
+
+async def test_seeded_sampling_is_reproducible(engine_url: str) -> None:
+    body = {"text": "Once", "sampling_params": {"max_new_tokens": 8, "sampling_seed": 7,
+                                                "ignore_eos": True}}
+    async with httpx.AsyncClient(base_url=engine_url, timeout=60) as client:
+        first, second = [(await client.post("/generate", json=body)).json() for _ in range(2)]
+    assert first["output_ids"] == second["output_ids"]
+
+
+async def test_client_disconnect_aborts_the_request(
+        engine_factory: Any, tiny_model_dir: Path) -> None:
+    url = engine_factory(tiny_model_dir)
+    body = {"text": "go", "stream": True,
+            "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True}}
+    async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+        async with client.stream("POST", "/generate", json=body) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    break
+            # Frozen in place, the request keeps its KV cache: the engine is not idle ...
+            await client.post("/pause_generation", json={"mode": "in_place"})
+            assert (await client.post("/flush_cache")).status_code == 400
+        # ... until the client goes away, which aborts it.
+        for _ in range(300):
+            if (await client.post("/flush_cache")).status_code == 200:
+                break
+            await asyncio.sleep(0.1)
+        assert (await client.post("/flush_cache")).status_code == 200
+        await client.post("/continue_generation", json={})

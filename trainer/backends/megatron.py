@@ -25,7 +25,9 @@ megatron`) needs no followers. Launch several with deploy/torchrun.sh.
 
 from __future__ import annotations
 
+import atexit
 import math
+import sys
 import time
 from dataclasses import fields, replace
 from functools import partial
@@ -117,18 +119,29 @@ class MegatronBackend:
             raise ValueError("MegatronBackend on rank 0 needs the trainer settings")
         self.cfg: TrainerSettings = box[0]
         self.tp, self.pp = layout(self.cfg)
+        if self.tp < 1 or self.pp < 1:
+            raise ValueError(f"tp and pp must be >= 1 (got tp {self.tp}, pp {self.pp})")
         self.device = torch.device("cuda", torch.cuda.current_device()) if compat.CUDA \
             else torch.device("cpu")
         # bf16 on a GPU turns on megatron's fused paths; CPU always runs fp32, unfused.
         self.fused = compat.CUDA and self.cfg.dtype == "bfloat16"
-        with compat.megatron_context():
-            compat.init_model_parallel(self.tp, self.pp)
+        try:
+            with compat.megatron_context():
+                compat.init_model_parallel(self.tp, self.pp)
+        except Exception:
+            compat.shutdown_distributed()
+            raise
         self.hf: Any = None
         self.model: Any = None  # DDP-wrapped GPTModel stage
         self.reference: Any = None
         self.optimizer: Any = None
         self._limits: ModelLimits | None = None
         self.steps = 0
+        self._busy = False  # inside a broadcast call (then `close` must not broadcast)
+        self._closed = False
+        if self.world > 1 and self.is_leader:
+            # The trainer loop does not know about followers: release them when we exit.
+            atexit.register(self.close)
 
     # -- leader / follower -------------------------------------------------------------------
     @property
@@ -137,26 +150,46 @@ class MegatronBackend:
 
     def _call(self, name: str, *args: Any) -> Any:
         """Run method `_name` here, after telling the followers to run it too."""
+        self._busy = True
         if self.world > 1 and self.is_leader:
             dist.broadcast_object_list([name, args], src=0)
         with compat.megatron_context():
-            return getattr(self, f"_{name}")(*args)
+            result = getattr(self, f"_{name}")(*args)
+        self._busy = False
+        return result
 
     def follow(self) -> None:
-        """Followers: execute the leader's calls until it closes."""
+        """Followers: execute the leader's calls until it closes.
+
+        A failure here is the same failure the leader meets (same code, same data); it is
+        reported in one line and the process exits non-zero, which stops torchrun.
+        """
         while True:
             box: list[Any] = [None, None]
             dist.broadcast_object_list(box, src=0)
             name, args = box
             if name == "close":
                 break
-            with compat.megatron_context():
-                getattr(self, f"_{name}")(*args)
+            try:
+                with compat.megatron_context():
+                    getattr(self, f"_{name}")(*args)
+            except Exception as exc:
+                print(f"megatron rank {self.rank}: {name} failed: {type(exc).__name__}: {exc}",
+                      file=sys.stderr, flush=True)
+                raise SystemExit(1) from exc
+        self._closed = True
         compat.shutdown_distributed()
 
     def close(self) -> None:
-        """Release the followers and the process group (leader)."""
-        if self.world > 1 and self.is_leader:
+        """Release the followers and the process group (idempotent).
+
+        After a failure in the middle of a call the followers are stuck in another
+        collective; then nothing is broadcast and torchrun tears the group down.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        if self.world > 1 and self.is_leader and not self._busy and dist.is_initialized():
             dist.broadcast_object_list(["close", ()], src=0)
         compat.shutdown_distributed()
 
@@ -410,5 +443,5 @@ class MegatronBackend:
                          {"steps": self.steps, "tp": self.tp, "pp": self.pp})
 
     def _load_state(self, state_dir: Path) -> None:
-        meta = load_distributed(state_dir, self.model, self.optimizer, self.hf)
+        meta = load_distributed(state_dir, self.model, self.optimizer, self.hf, self.tp, self.pp)
         self.steps = int(meta.get("steps", 0))

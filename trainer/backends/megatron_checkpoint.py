@@ -23,14 +23,18 @@ import torch.distributed as dist
 from torch import Tensor
 
 from trainer.backends.megatron_mapping import gather_tp, megatron_to_hf, parallel_dim
+from trainer.export import CheckpointError
 
 SHAPE_FILE = "megatron.json"
+# Optimizer state saved in the canonical per-parameter layout, so a run can resume under a
+# different tensor / pipeline / data parallel layout (slower to save than 'dp_reshardable').
+METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size",
               "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
 
 
-class CheckpointMismatchError(ValueError):
-    """A megatron checkpoint does not belong to this model (shape differs) or is missing."""
+class CheckpointMismatchError(CheckpointError):
+    """A megatron checkpoint does not fit this model (shape) or layout (tp / pp), or is missing."""
 
 
 class HFWeights(Mapping[str, Tensor]):
@@ -120,8 +124,12 @@ def model_shape(hf: Any) -> dict[str, Any]:
     return {k: getattr(hf, k, None) for k in SHAPE_KEYS}
 
 
-def check_shape(state_dir: Path, hf: Any) -> None:
-    """Refuse a megatron checkpoint written for another model (names the differences)."""
+def check_shape(state_dir: Path, hf: Any, tp: int, pp: int) -> None:
+    """Refuse a megatron checkpoint written for another model or layout (names the differences).
+
+    The optimizer state is saved 'dp_reshardable': it follows a change of data parallel
+    size, not of tensor / pipeline parallel size.
+    """
     meta_path = state_dir / SHAPE_FILE
     if not meta_path.is_file():
         raise CheckpointMismatchError(
@@ -134,6 +142,13 @@ def check_shape(state_dir: Path, hf: Any) -> None:
         raise CheckpointMismatchError(
             f"checkpoint {state_dir} was written for a different model "
             f"(checkpoint vs this model: {'; '.join(diffs)})"
+        )
+    meta = json.loads(meta_path.read_text())
+    if (meta.get("tp"), meta.get("pp")) != (tp, pp):
+        raise CheckpointMismatchError(
+            f"checkpoint {state_dir} holds optimizer state for tp {meta.get('tp')} × pp "
+            f"{meta.get('pp')}, this run is tp {tp} × pp {pp}; resume with the same tp/pp "
+            "(data parallel size may change)"
         )
 
 
@@ -149,24 +164,51 @@ def save_distributed(
             json.dumps({"shape": model_shape(hf), **extra}, indent=1)
         )
     dist.barrier()
-    model_sd = model.sharded_state_dict()
-    sharded = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd)}
+    model_sd = model.module.sharded_state_dict()
+    sharded = {
+        "model": model_sd,
+        "optimizer": optimizer.sharded_state_dict(model_sd, metadata=METADATA),
+    }
+    (state_dir / "dist").mkdir(parents=True, exist_ok=True)
     dist_checkpointing.save(sharded, str(state_dir / "dist"))
     dist.barrier()
 
 
-def load_distributed(state_dir: Path, model: Any, optimizer: Any, hf: Any) -> dict[str, Any]:
+def load_distributed(
+    state_dir: Path, model: Any, optimizer: Any, hf: Any, tp: int, pp: int
+) -> dict[str, Any]:
     """Restore model + optimizer from `save_distributed` output; returns its extra info."""
     from megatron.core import dist_checkpointing
 
-    check_shape(state_dir, hf)
-    model_sd = model.sharded_state_dict()
+    check_shape(state_dir, hf, tp, pp)
+    _init_adam_state(optimizer)
+    model_sd = model.module.sharded_state_dict()
     sharded = {
         "model": model_sd,
-        "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=True),
+        "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=METADATA),
     }
     loaded = dist_checkpointing.load(sharded, str(state_dir / "dist"))
-    model.load_state_dict(loaded["model"])
-    optimizer.load_state_dict(loaded["optimizer"])
+    with torch.no_grad():  # megatron copies into leaf parameters (views of its buffers)
+        model.module.load_state_dict(loaded["model"])
+        optimizer.load_state_dict(loaded["optimizer"])
     meta: dict[str, Any] = json.loads((state_dir / SHAPE_FILE).read_text())
     return meta
+
+
+def _init_adam_state(optimizer: Any) -> None:
+    """Give a fresh torch Adam state (zeros, step 0) to every parameter before loading.
+
+    Without Transformer Engine / Apex, megatron's DistributedOptimizer.state_dict() reads the
+    common `step` from torch Adam's per-parameter state, which a never-stepped optimizer
+    does not have yet; the loaded checkpoint overwrites all of it.
+    """
+    for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = chained.optimizer
+        for group in inner.param_groups:
+            for param in group["params"]:
+                if not inner.state[param]:
+                    inner.state[param] = {
+                        "step": torch.tensor(0.0),
+                        "exp_avg": torch.zeros_like(param.data),
+                        "exp_avg_sq": torch.zeros_like(param.data),
+                    }

@@ -20,13 +20,20 @@ import json
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from trainer.engine.protocol import ChatCompletionRequest, EngineError, check_sampling
+from trainer.engine.protocol import (
+    ChatCompletionRequest,
+    EngineError,
+    check_sampling,
+    engine_failure,
+    sse_error,
+)
 from trainer.engine.runtime import Engine
 from trainer.engine.scheduler import Sequence
 
+Disconnected = Callable[[], Awaitable[bool]]
 _ROLES = {"system", "developer", "user", "assistant", "tool"}
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 _TOOL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
@@ -213,9 +220,12 @@ def prepare(engine: Engine, req: ChatCompletionRequest, rid: str | None) -> Sequ
                     return_logprob=req.logprobs, top_logprobs_num=req.top_logprobs or 0)
 
 
-async def complete(engine: Engine, req: ChatCompletionRequest, seq: Sequence) -> dict[str, Any]:
+async def complete(engine: Engine, req: ChatCompletionRequest, seq: Sequence,
+                   disconnected: Disconnected | None = None) -> dict[str, Any]:
     """Run a non-streaming chat completion and build the response body."""
-    await engine.run(seq)
+    await engine.run(seq, disconnected)
+    if (failure := engine_failure(seq.finish)) is not None:
+        raise failure
     text = visible_text(engine, seq, final=True)
     calls: list[dict[str, Any]] = []
     if req.tools and req.tool_choice != "none":
@@ -244,8 +254,8 @@ async def complete(engine: Engine, req: ChatCompletionRequest, seq: Sequence) ->
     return body
 
 
-async def stream(engine: Engine, req: ChatCompletionRequest, seq: Sequence
-                 ) -> AsyncIterator[str]:
+async def stream(engine: Engine, req: ChatCompletionRequest, seq: Sequence,
+                 disconnected: Disconnected | None = None) -> AsyncIterator[str]:
     """SSE chunks for a streaming chat completion, pushed as tokens are sampled."""
     created = int(time.time())
     with_tools = bool(req.tools and req.tool_choice != "none")
@@ -264,7 +274,11 @@ async def stream(engine: Engine, req: ChatCompletionRequest, seq: Sequence
     yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                   "finish_reason": None}])
     sent_text, sent_tokens = "", 0
-    async for _ in engine.generate(seq):
+    async for _ in engine.generate(seq, disconnected):
+        if (failure := engine_failure(seq.finish)) is not None:
+            yield sse_error(failure)
+            yield "data: [DONE]\n\n"
+            return
         final = seq.finish is not None
         end = len(seq.output_ids)
         text = visible_text(engine, seq, final=final)

@@ -51,6 +51,18 @@ def error_body(message: str, status: int = 400) -> dict[str, Any]:
             "error": {"message": message, "type": openai_type, "param": None, "code": status}}
 
 
+def engine_failure(finish: dict[str, Any] | None) -> EngineError | None:
+    """The error for a sequence the engine aborted because a model step failed, else None."""
+    if finish and finish.get("type") == "abort" and finish.get("status_code"):
+        return EngineError(str(finish.get("message")), int(finish["status_code"]))
+    return None
+
+
+def sse_error(err: EngineError) -> str:
+    """A streamed error event, as SGLang sends when a request fails mid-stream."""
+    return f"data: {json.dumps({'error': error_body(err.message, err.status)['error']})}\n\n"
+
+
 def error_response(message: str, status: int = 400) -> JSONResponse:
     return JSONResponse(error_body(message, status), status_code=status)
 

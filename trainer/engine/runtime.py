@@ -15,7 +15,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -25,6 +25,9 @@ import torch
 from trainer.engine.scheduler import Scheduler, Sequence
 
 log = logging.getLogger("clawrl.engine")
+
+# How often a request waiting for tokens checks whether its client is still there.
+_DISCONNECT_POLL_S = 1.0
 
 # Config fields that must match for new weights to fit the serving model.
 _SHAPE_FIELDS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers",
@@ -39,9 +42,9 @@ class RWLock:
     """Writer-preferring asyncio reader/writer lock (SGLang `aio_rwlock` semantics)."""
 
     def __init__(self) -> None:
-        self.readers = 0
-        self.writer = False
-        self.writers_waiting = 0
+        self._readers = 0
+        self._writing = False
+        self._writers_waiting = 0
         self._changed = asyncio.Event()
 
     def _wake(self) -> None:
@@ -54,26 +57,26 @@ class RWLock:
 
     @asynccontextmanager
     async def reader(self) -> AsyncIterator[None]:
-        await self._wait(lambda: not self.writer and self.writers_waiting == 0)
-        self.readers += 1
+        await self._wait(lambda: not self._writing and self._writers_waiting == 0)
+        self._readers += 1
         try:
             yield
         finally:
-            self.readers -= 1
+            self._readers -= 1
             self._wake()
 
     @asynccontextmanager
     async def writer(self) -> AsyncIterator[None]:
-        self.writers_waiting += 1
+        self._writers_waiting += 1
         try:
-            await self._wait(lambda: not self.writer and self.readers == 0)
+            await self._wait(lambda: not self._writing and self._readers == 0)
         finally:
-            self.writers_waiting -= 1
-        self.writer = True
+            self._writers_waiting -= 1
+        self._writing = True
         try:
             yield
         finally:
-            self.writer = False
+            self._writing = False
             self._wake()
 
 
@@ -153,10 +156,13 @@ class Engine:
 
     # ---- generation -----------------------------------------------------------------------
 
-    async def generate(self, seq: Sequence) -> AsyncIterator[Sequence]:
+    async def generate(self, seq: Sequence,
+                       disconnected: Callable[[], Awaitable[bool]] | None = None
+                       ) -> AsyncIterator[Sequence]:
         """Run `seq`; yield it each time it made progress, last when `seq.finish` is set.
 
-        Closing the iterator early (client gone) aborts the sequence.
+        Closing the iterator early, or `disconnected()` turning true (checked while no
+        progress arrives, as SGLang's tokenizer manager does), aborts the sequence.
         """
         loop = asyncio.get_running_loop()
         progressed = asyncio.Event()
@@ -169,7 +175,12 @@ class Engine:
             self.scheduler.submit(seq)
             try:
                 while seq.finish is None:
-                    await progressed.wait()
+                    try:
+                        await asyncio.wait_for(progressed.wait(), timeout=_DISCONNECT_POLL_S)
+                    except TimeoutError:
+                        if disconnected is not None and await disconnected():
+                            self.scheduler.abort(seq, "client disconnected")
+                        continue
                     progressed.clear()
                     yield seq
             finally:
@@ -177,8 +188,9 @@ class Engine:
                     self.scheduler.abort(seq, "client disconnected")
                 self.live.pop(seq.rid, None)
 
-    async def run(self, seq: Sequence) -> Sequence:
-        async for _ in self.generate(seq):
+    async def run(self, seq: Sequence,
+                  disconnected: Callable[[], Awaitable[bool]] | None = None) -> Sequence:
+        async for _ in self.generate(seq, disconnected):
             pass
         return seq
 

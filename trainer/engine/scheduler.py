@@ -18,6 +18,7 @@ token: the trainer's first-step importance ratio is then exactly 1.
 
 from __future__ import annotations
 
+import logging
 import random
 import threading
 from collections import deque
@@ -28,6 +29,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from transformers.cache_utils import DynamicCache
+
+log = logging.getLogger("clawrl.engine")
 
 Finish = dict[str, Any]  # SGLang finish_reason: {"type": "stop"|"length"|"abort", ...}
 
@@ -169,10 +172,19 @@ class Scheduler:
                 admit = []
                 while self._waiting and len(self._running) + len(admit) < self.max_batch:
                     admit.append(self._waiting.popleft())
-            for seq in admit:
-                self._prefill(seq)
-            if self._running:
-                self._decode_step()
+            try:
+                for seq in admit:
+                    self._prefill(seq)
+                if self._running:
+                    self._decode_step()
+            except Exception as exc:  # never leave requests hanging on a dead thread
+                log.exception("engine step failed")
+                failed = [s for s in (*admit, *self._running) if s.finish is None]
+                with self._cond:
+                    self._keep_rows([])
+                for seq in failed:
+                    self._finish(seq, {"type": "abort", "message": f"engine error: {exc!r}",
+                                       "status_code": 500})
 
     def _wait_for_work(self) -> bool:
         """Block (holding the condition) until there is work; False once stopped.

@@ -15,7 +15,7 @@ import json
 import logging
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -23,6 +23,7 @@ from typing import Any
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import ValidationError
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from trainer.engine import chat
 from trainer.engine.protocol import (
@@ -30,9 +31,11 @@ from trainer.engine.protocol import (
     EngineError,
     GenerateRequest,
     describe,
+    engine_failure,
     error_response,
     parse_json,
     sampling_from_dict,
+    sse_error,
 )
 from trainer.engine.runtime import Engine, WeightUpdateError
 from trainer.engine.scheduler import Sequence
@@ -53,14 +56,8 @@ def create_app(engine: Engine, *, api_key: str | None = None) -> FastAPI:
     async def _engine_error(_: Request, exc: EngineError) -> JSONResponse:
         return error_response(exc.message, exc.status)
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next: Callable[[Request], Awaitable[Response]]
-                    ) -> Response:
-        if api_key and request.url.path not in _OPEN_ROUTES:
-            given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-            if not hmac.compare_digest(given.encode(), api_key.encode()):
-                return error_response("invalid API key", 401)
-        return await call_next(request)
+    if api_key:
+        app.add_middleware(_BearerAuth, api_key=api_key)
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(request: Request) -> Response:
@@ -74,9 +71,9 @@ def create_app(engine: Engine, *, api_key: str | None = None) -> FastAPI:
                 setattr(req, f"return_{flag}_ids_in_sglext", True)
         seq = chat.prepare(engine, req, req.rid)
         if req.stream:
-            return StreamingResponse(chat.stream(engine, req, seq),
+            return StreamingResponse(chat.stream(engine, req, seq, request.is_disconnected),
                                      media_type="text/event-stream")
-        return JSONResponse(await chat.complete(engine, req, seq))
+        return JSONResponse(await chat.complete(engine, req, seq, request.is_disconnected))
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -97,9 +94,13 @@ def create_app(engine: Engine, *, api_key: str | None = None) -> FastAPI:
         if req.stream:
             if batched:
                 raise EngineError("streaming a batch of prompts is not supported")
-            return StreamingResponse(_generate_stream(engine, req, seqs[0], started),
-                                     media_type="text/event-stream")
-        done = await asyncio.gather(*(engine.run(s) for s in seqs))
+            return StreamingResponse(
+                _generate_stream(engine, req, seqs[0], started, request.is_disconnected),
+                media_type="text/event-stream")
+        done = await asyncio.gather(*(engine.run(s, request.is_disconnected) for s in seqs))
+        for seq in done:
+            if (failure := engine_failure(seq.finish)) is not None:
+                raise failure
         out = [_generate_body(engine, req, s, started) for s in done]
         return JSONResponse(out if batched else out[0])
 
@@ -184,6 +185,22 @@ def create_app(engine: Engine, *, api_key: str | None = None) -> FastAPI:
     return app
 
 
+class _BearerAuth:
+    """Pure ASGI middleware (BaseHTTPMiddleware would hide client disconnects from streams)."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app, self.api_key = app, api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in _OPEN_ROUTES:
+            headers = dict(scope.get("headers") or [])
+            given = headers.get(b"authorization", b"").removeprefix(b"Bearer ").strip()
+            if not hmac.compare_digest(given, self.api_key):
+                await error_response("invalid API key", 401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def _update_result(success: bool, message: str) -> JSONResponse:
     return JSONResponse({"success": success, "message": message, "num_paused_requests": 0},
                         status_code=200 if success else 400)
@@ -259,9 +276,13 @@ def _generate_body(engine: Engine, req: GenerateRequest, seq: Sequence,
 
 
 async def _generate_stream(engine: Engine, req: GenerateRequest, seq: Sequence,
-                           started: float) -> AsyncIterator[str]:
+                           started: float, disconnected: chat.Disconnected
+                           ) -> AsyncIterator[str]:
     """SGLang's default (non-incremental) stream: every chunk is cumulative."""
-    async for _ in engine.generate(seq):
+    async for _ in engine.generate(seq, disconnected):
+        if (failure := engine_failure(seq.finish)) is not None:
+            yield sse_error(failure)
+            break
         yield f"data: {json.dumps(_generate_body(engine, req, seq, started))}\n\n"
     yield "data: [DONE]\n\n"
 

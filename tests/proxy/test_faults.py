@@ -1,0 +1,159 @@
+"""Engine failures and client disconnects: the client gets the right error, the turn is
+stored with the right status, and a leaving client closes the upstream request.
+
+Faults are injected with real sockets where possible (a closed port, a server that never
+answers) and otherwise with an `httpx.MockTransport` engine that streams scripted chunks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import openai
+import pytest
+from proxyharness import (
+    ProxyFactory,
+    ScriptedStream,
+    chunk,
+    closed_port_url,
+    create_user,
+    query,
+    scripted_engine,
+    silent_server,
+)
+
+from proxy.errors import (
+    BadRequest,
+    ClawrlError,
+    UpstreamError,
+    UpstreamTimeout,
+)
+from proxy.upstream import error_for_status, translate
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+REQ = httpx.Request("POST", "http://engine/v1/chat/completions")
+
+
+@pytest.mark.parametrize(("failure", "error", "status", "code"), [
+    (httpx.ConnectError("refused", request=REQ), UpstreamError, 502, "engine_unavailable"),
+    (httpx.ConnectTimeout("slow", request=REQ), UpstreamTimeout, 504, "engine_timeout"),
+    (httpx.ReadTimeout("slow", request=REQ), UpstreamTimeout, 504, "engine_timeout"),
+    (httpx.PoolTimeout("busy", request=REQ), UpstreamTimeout, 504, "engine_timeout"),
+    (httpx.RemoteProtocolError("cut", request=REQ), UpstreamError, 502, "engine_error"),
+    (httpx.ReadError("reset", request=REQ), UpstreamError, 502, "engine_error"),
+])
+def test_transport_errors_map_to_statuses(failure: httpx.HTTPError, error: type[ClawrlError],
+                                          status: int, code: str) -> None:
+    translated = translate(failure)
+    assert type(translated) is error and translated.status == status
+    assert translated.body()["error"]["code"] == code
+
+
+@pytest.mark.parametrize(("status", "body", "error", "http", "message"), [
+    (400, {"object": "error", "message": "max_tokens too large", "code": 400}, BadRequest, 400,
+     "max_tokens too large"),
+    (422, {"detail": [{"msg": "field required"}]}, BadRequest, 400, "field required"),
+    (400, {"error": {"message": "unknown field 'x'"}}, BadRequest, 400, "unknown field 'x'"),
+    (500, {"error": "CUDA out of memory"}, UpstreamError, 502, "CUDA out of memory"),
+    (503, b"overloaded", UpstreamError, 502, "overloaded"),
+    (504, {}, UpstreamTimeout, 504, "timed out"),
+])
+def test_engine_statuses_map_to_errors(status: int, body: object, error: type[ClawrlError],
+                                       http: int, message: str) -> None:
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    translated = error_for_status(status, raw)
+    assert type(translated) is error and translated.status == http
+    assert message in translated.message
+
+
+async def test_engine_down_is_502_and_logged(proxy_factory: ProxyFactory, db_url: str) -> None:
+    proxy = await proxy_factory(closed_port_url())
+    _, key = create_user(db_url, "u")
+    async with proxy.client(key) as client:
+        for stream in (False, True):
+            with pytest.raises(openai.APIStatusError) as info:
+                await client.chat.completions.create(model="m", messages=MESSAGES,  # type: ignore[call-overload]
+                                                     stream=stream)
+            assert info.value.status_code == 502
+            assert info.value.code == "engine_unavailable"
+            assert info.value.response.headers["x-clawrl-turn-id"]
+    await proxy.settle()
+    assert query(db_url, "SELECT status, response_ids FROM turns") == [
+        ("engine_error", None), ("engine_error", None)]
+
+
+async def test_engine_timeout_is_504(proxy_factory: ProxyFactory, db_url: str) -> None:
+    async with silent_server() as url:
+        proxy = await proxy_factory(url, read_timeout_s=0.5)
+        _, key = create_user(db_url, "u")
+        async with proxy.client(key) as client:
+            for stream in (False, True):
+                with pytest.raises(openai.APIStatusError) as info:
+                    await client.chat.completions.create(model="m", messages=MESSAGES,  # type: ignore[call-overload]
+                                                         stream=stream)
+                assert info.value.status_code == 504 and info.value.code == "engine_timeout"
+    await proxy.settle()
+    assert [r[0] for r in query(db_url, "SELECT status FROM turns")] == ["engine_error"] * 2
+
+
+async def test_engine_rejection_is_400_not_logged(proxy_factory: ProxyFactory,
+                                                  db_url: str) -> None:
+    engine = scripted_engine(status=400, error_body={
+        "object": "error", "message": "This model's maximum context length is 2048 tokens.",
+        "type": "BadRequestError", "param": None, "code": 400})
+    proxy = await proxy_factory("http://engine", transport=engine)
+    _, key = create_user(db_url, "u")
+    async with proxy.client(key) as client:
+        with pytest.raises(openai.BadRequestError) as info:
+            await client.chat.completions.create(model="m", messages=MESSAGES)  # type: ignore[arg-type]
+    assert "maximum context length" in info.value.message
+    await proxy.settle()
+    assert query(db_url, "SELECT count(*) FROM turns") == [(0,)]
+
+
+@pytest.mark.parametrize("how", ["error_chunk", "connection_lost", "no_finish"])
+async def test_engine_failure_mid_stream(proxy_factory: ProxyFactory, db_url: str,
+                                         how: str) -> None:
+    events = [chunk(), chunk("Hel", logprob=-0.5)]
+    if how == "error_chunk":
+        events.append({"error": {"message": "CUDA error: out of memory", "code": 500}})
+    stream = ScriptedStream(events, then="drop" if how == "connection_lost" else "done")
+    proxy = await proxy_factory("http://engine", transport=scripted_engine(stream))
+    _, key = create_user(db_url, "u")
+    received = []
+    async with proxy.client(key) as client:
+        response = await client.chat.completions.create(model="m", messages=MESSAGES,  # type: ignore[arg-type]
+                                                        stream=True)
+        with pytest.raises(openai.APIError) as info:
+            async for part in response:
+                received.append(part)
+    assert "".join(p.choices[0].delta.content or "" for p in received) == "Hel"
+    assert "engine" in info.value.message
+    await proxy.settle()
+    [(status, error, message, logprobs)] = query(
+        db_url, "SELECT status, error, response_message, response_logprobs FROM turns")
+    assert status == "engine_error" and error
+    assert message["content"] == "Hel" and logprobs == [-0.5]
+    assert stream.closed.is_set()
+
+
+async def test_client_disconnect_closes_upstream(proxy_factory: ProxyFactory,
+                                                 db_url: str) -> None:
+    stream = ScriptedStream([chunk(), chunk("Hel", logprob=-0.5)], then="hang")
+    proxy = await proxy_factory("http://engine", transport=scripted_engine(stream))
+    _, key = create_user(db_url, "u")
+    async with proxy.client(key) as client:
+        response = await client.chat.completions.create(model="m", messages=MESSAGES,  # type: ignore[arg-type]
+                                                        stream=True)
+        async for part in response:
+            if part.choices and part.choices[0].delta.content:
+                break  # the user pressed stop
+        await response.close()
+    await asyncio.wait_for(stream.closed.wait(), 10)  # the engine request was closed
+    await proxy.settle()
+    [(status, message, state)] = query(db_url,
+                                       "SELECT status, response_message, state FROM turns")
+    assert status == "client_disconnected" and message["content"] == "Hel"
+    assert state == "closed"  # never continued, never trained

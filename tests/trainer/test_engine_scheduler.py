@@ -1,0 +1,53 @@
+"""The scheduler thread in-process: a failing model step fails its requests, never hangs them."""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from trainer.engine.scheduler import SamplingParams, Scheduler, Sequence, _sample
+
+
+class BrokenModel(torch.nn.Module):
+    """Injected fault: a causal LM whose forward always raises."""
+
+    config = SimpleNamespace(max_position_embeddings=64)
+
+    def forward(self, **_: Any) -> Any:
+        raise RuntimeError("boom")
+
+
+def _run(scheduler: Scheduler, seq: Sequence) -> Sequence:
+    done = threading.Event()
+    seq.notify = lambda: done.set() if seq.finish is not None else None
+    scheduler.submit(seq)
+    assert done.wait(timeout=60)
+    return seq
+
+
+def test_a_failing_step_aborts_with_500_and_the_thread_serves_on() -> None:
+    scheduler = Scheduler(BrokenModel(), eos_ids={2}, decode=lambda ids: "",
+                          weight_version="v0")
+    scheduler.start()
+    try:
+        for i in range(2):
+            seq = _run(scheduler, Sequence(rid=str(i), input_ids=[1, 2, 3],
+                                           params=SamplingParams(max_new_tokens=3)))
+            assert seq.finish is not None
+            assert seq.finish["type"] == "abort" and seq.finish["status_code"] == 500
+            assert "boom" in seq.finish["message"]
+    finally:
+        scheduler.stop()
+
+
+def test_sampling_filters() -> None:
+    logits = torch.tensor([0.0, 3.0, 1.0, 2.0])
+    gen = torch.Generator().manual_seed(0)
+    assert _sample(logits, SamplingParams(temperature=0.0), gen) == 1
+    assert _sample(logits, SamplingParams(top_k=1), gen) == 1
+    # top_p keeps the smallest prefix reaching the mass: here only the top token.
+    assert {_sample(logits, SamplingParams(top_p=0.1), gen) for _ in range(20)} == {1}
+    assert {_sample(logits, SamplingParams(top_k=2), gen) for _ in range(50)} <= {1, 3}
