@@ -5,7 +5,8 @@ is reached at `CLAWRL_ENGINE__URL` + `/v1`. Each backend has its own timeout and
 bounding its concurrent requests. This module is the one place where httpx errors and HTTP
 error statuses of the judge endpoint become judge errors (`raise … from exc`):
 unreachable / timeout / 429 / 5xx → BackendUnavailable (transient), other 4xx →
-BackendRejected (permanent), a 200 without a message → BadBackendResponse.
+BackendRejected (permanent) — or PromptTooLong when the 400 says the input is over the
+context — and a 200 without a message → BadBackendResponse.
 """
 
 from __future__ import annotations
@@ -18,7 +19,13 @@ from typing import Any
 import httpx
 
 from judge.config import JudgeSettings
-from judge.errors import BackendRejected, BackendUnavailable, BadBackendResponse
+from judge.errors import (
+    BackendRejected,
+    BackendUnavailable,
+    BadBackendResponse,
+    PromptTooLong,
+    says_too_long,
+)
 from judge.parse import storable
 from proxy.settings import EngineSettings
 
@@ -61,7 +68,10 @@ async def post_json(client: httpx.AsyncClient, url: str, body: Mapping[str, Any]
         raise BackendUnavailable(
             f"{what}: HTTP {response.status_code}: {_error_message(response)}")
     if response.status_code >= 400:
-        raise BackendRejected(f"{what}: HTTP {response.status_code}: {_error_message(response)}")
+        message = f"{what}: HTTP {response.status_code}: {_error_message(response)}"
+        if response.status_code == 400 and says_too_long(message):
+            raise PromptTooLong(message)
+        raise BackendRejected(message)
     try:
         return response.json()
     except ValueError as exc:

@@ -39,6 +39,17 @@ class PromptTooLong(JudgeError):
     transient = False
 
 
+# How engines word a 400 for an input over the context length (SGLang, vLLM, OpenAI).
+_TOO_LONG_WORDS = ("context length", "context_length", "maximum context", "too long",
+                   "longer than")
+
+
+def says_too_long(message: str) -> bool:
+    """Whether an engine's 400 message refuses the input for its length."""
+    lowered = message.lower()
+    return any(word in lowered for word in _TOO_LONG_WORDS)
+
+
 class JobInvalid(JudgeError):
     """The job cannot be judged: its turn is gone or has no next state."""
 

@@ -7,7 +7,7 @@ turn, the `samples` row. If the job's lease was taken over meanwhile, nothing is
 
 Never judged (job done, no judgment): user opted out of training, side turns.
 Judged as skipped (judgment with reason, no votes, no sample): turn status not ok, empty
-response, response cut off by the length limit.
+response, response cut off by the length limit, judge prompt over the judge's context.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from judge.backends import ChatBackend
 from judge.config import JudgeSettings
-from judge.errors import JobInvalid, first_error
+from judge.errors import JobInvalid, PromptTooLong, first_error
 from judge.hints import HintResult, extract_hint
 from judge.prm import PrmResult, score_turn
 from judge.prompts import FeedbackItem, render_fields, render_hint, render_prm
@@ -186,9 +186,13 @@ async def judge_job(db: AsyncEngine, job: ClaimedJob, worker: str, *, settings: 
     if reason is not None:
         verdict = Verdict(prm=None, hints=None, teacher=None, reason=reason)
     else:
-        verdict = await run_judges(turn, feedback, settings=settings, backend=backend,
-                                   teacher=teacher if settings.teacher_enabled else None,
-                                   prompt_version=prompt_version)
+        try:
+            verdict = await run_judges(turn, feedback, settings=settings, backend=backend,
+                                       teacher=teacher if settings.teacher_enabled else None,
+                                       prompt_version=prompt_version)
+        except PromptTooLong as exc:  # a property of the turn: record it, do not retry
+            verdict = Verdict(prm=None, hints=None, teacher=None,
+                              reason=f"skipped: judge prompt too long ({exc})")
     async with db.connect() as conn:
         async with conn.begin() as tx:
             outcome = await store_verdict(conn, job, worker, turn, verdict, prompt_version)

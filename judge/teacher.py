@@ -23,7 +23,13 @@ from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from judge.errors import BackendRejected, BackendUnavailable, BadBackendResponse, PromptTooLong
+from judge.errors import (
+    BackendRejected,
+    BackendUnavailable,
+    BadBackendResponse,
+    PromptTooLong,
+    says_too_long,
+)
 from judge.prompts import teacher_messages
 from proxy.engine_client import (
     EngineBadRequest,
@@ -36,7 +42,6 @@ T = TypeVar("T")
 
 # Engines (SGLang, `clawrl engine`) name the context length in one of these /model_info keys.
 _CONTEXT_KEYS = ("context_length", "max_context_length", "max_position_embeddings")
-_TOO_LONG_WORDS = ("context length", "context_length", "too long", "longer than")
 
 
 @dataclass(frozen=True)
@@ -96,7 +101,7 @@ class TeacherEngine:
         except EngineBadRequest as exc:
             # The engine refuses an over-long input with a 400; that is a property of the
             # turn, not a failure of the job.
-            if any(word in str(exc).lower() for word in _TOO_LONG_WORDS):
+            if says_too_long(str(exc)):
                 raise PromptTooLong(str(exc)) from exc
             raise BackendRejected(f"teacher: {exc}") from exc
         except EngineProtocolError as exc:

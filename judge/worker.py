@@ -126,12 +126,14 @@ class Worker:
     async def claim_loop(self, stop: asyncio.Event, backend: ChatBackend,
                          teacher: TeacherEngine | None) -> None:
         while not stop.is_set():
+            # Cleared before claiming, so a NOTIFY that lands during the claim is not lost.
+            self.wake.clear()
             free = self.concurrency - len(self.inflight)
             jobs: list[ClaimedJob] = []
             if free > 0:
                 try:
                     jobs = await self.claim(free)
-                except (OSError, psycopg.Error, Exception) as exc:  # DB down: try again later
+                except Exception as exc:  # the database is down: try again after the poll
                     log.warning("claim failed: %s", exc, extra={"action": "claim_error"})
             for job in jobs:
                 task = asyncio.create_task(self.process(job, backend, teacher))
@@ -139,7 +141,6 @@ class Worker:
                 task.add_done_callback(self._job_finished)
             if jobs and len(jobs) == free:
                 continue  # maybe more waiting; claim again as soon as a slot frees
-            self.wake.clear()
             waiters = [asyncio.create_task(self.wake.wait()), asyncio.create_task(stop.wait())]
             await asyncio.wait(waiters, timeout=self.settings.poll_interval_s,
                                return_when=asyncio.FIRST_COMPLETED)
@@ -178,7 +179,7 @@ class Worker:
                 async with self.db.begin() as conn:
                     await conn.execute(extend_lease_stmt(job.id, self.name,
                                                          self.settings.lease_s))
-            except (OSError, psycopg.Error, Exception) as exc:
+            except Exception as exc:  # keep beating; the next one may get through
                 log.warning("lease extension failed: %s", exc,
                             extra={"action": "lease_error", "job_id": job.id})
 

@@ -12,6 +12,7 @@ cache of principals (so most requests cost no database round trip) and a per-key
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import math
@@ -167,19 +168,41 @@ class Authenticator:
         self._ttl_s = ttl_s
         self._clock = clock
         self._cache: dict[str, _Cached] = {}
+        self._lookups: dict[str, asyncio.Future[Principal]] = {}
+        self._generation = 0  # bumped by invalidate(): lookups begun before it are not cached
         self._touched: dict[int, float] = {}
         self.limiter = RateLimiter(settings.rate_limit_rpm, clock=clock)
 
     def invalidate(self) -> None:
         self._cache.clear()
+        self._lookups.clear()
+        self._generation += 1
 
     async def principal(self, full_key: str) -> Principal:
-        """The key's principal, from the cache when fresh, else from Postgres."""
+        """The key's principal, from the cache when fresh, else from Postgres.
+
+        Concurrent misses for one key share a single lookup (no stampede at TTL expiry).
+        """
         digest = hash_secret(full_key)
-        now = self._clock()
         hit = self._cache.get(digest)
-        if hit is not None and now < hit.fresh_until:
+        if hit is not None and self._clock() < hit.fresh_until:
             return hit.principal
+        pending = self._lookups.get(digest)
+        if pending is None:
+            pending = asyncio.ensure_future(self._refresh(digest, full_key, hit))
+            self._lookups[digest] = pending
+            pending.add_done_callback(lambda done: self._lookup_done(digest, done))
+        # Shielded: a waiter that is cancelled (client gone) does not cancel the others' lookup.
+        return await asyncio.shield(pending)
+
+    def _lookup_done(self, digest: str, done: asyncio.Future[Principal]) -> None:
+        if self._lookups.get(digest) is done:
+            del self._lookups[digest]
+        if not done.cancelled():
+            done.exception()  # retrieved here, so an unawaited failure is not logged
+
+    async def _refresh(self, digest: str, full_key: str, hit: _Cached | None) -> Principal:
+        now, generation = self._clock(), self._generation
         try:
             found = await lookup_principal(self._db, full_key)
         except Unauthorized:
@@ -190,6 +213,8 @@ class Authenticator:
                 return hit.principal
             raise Unavailable("Cannot verify the API key: the database is unreachable.",
                               code="database_unavailable") from exc
+        if generation != self._generation:
+            return found  # invalidated meanwhile: answer this request, cache nothing
         if len(self._cache) >= _CACHE_MAX:
             self._cache.clear()
         self._cache[digest] = _Cached(found, now + self._ttl_s, now + STALE_IF_ERROR_S)

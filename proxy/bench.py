@@ -31,6 +31,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Coroutine, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -56,6 +57,7 @@ class Sample:
     latency_ms: float
     first_chunk_ms: float | None
     ok: bool
+    error: str | None = None  # e.g. "HTTP 502" or "ReadError"
 
 
 @dataclass
@@ -70,6 +72,7 @@ class Row:
     ttfc_overhead_p50: float | None
     proxy_cpu_ms: float
     errors: int
+    error_kinds: str = ""
 
     @property
     def overhead_p50(self) -> float:
@@ -110,22 +113,28 @@ async def one_request(client: httpx.AsyncClient, url: str, headers: dict[str, st
         body["stream_options"] = {"include_usage": True}
     start = time.perf_counter()
     first: float | None = None
+    error: str | None = None
     try:
         if not stream:
             r = await client.post(url, json=body, headers=headers)
-            ok = r.status_code == 200 and bool(r.json().get("choices"))
+            if r.status_code != 200 or not r.json().get("choices"):
+                error = f"HTTP {r.status_code}"
         else:
             async with client.stream("POST", url, json=body, headers=headers) as r:
                 tail = b""
                 async for chunk in r.aiter_raw():
                     if first is None:
                         first = time.perf_counter()
-                    tail = (tail + chunk)[-64:]
-                ok = r.status_code == 200 and b"[DONE]" in tail
-    except httpx.HTTPError:
-        ok = False
+                    tail = (tail + chunk)[-256:]
+                if r.status_code != 200:
+                    error = f"HTTP {r.status_code}"
+                elif b'"error"' in tail or b"[DONE]" not in tail:
+                    error = "stream error event"
+    except httpx.HTTPError as exc:
+        error = type(exc).__name__
     end = time.perf_counter()
-    return Sample(path, (end - start) * 1e3, None if first is None else (first - start) * 1e3, ok)
+    return Sample(path, (end - start) * 1e3, None if first is None else (first - start) * 1e3,
+                  error is None, error)
 
 
 async def run_phase(targets: dict[str, tuple[str, dict[str, str]]], clients: int,
@@ -229,7 +238,9 @@ def summarize(clients: int, mode: str, samples: list[Sample], cpu_s: float) -> R
                      if mode == "stream" else None)
     return Row(clients, mode, n_proxy, pct(lat["direct"], 0.5), pct(lat["proxy"], 0.5),
                pct(lat["direct"], 0.99), pct(lat["proxy"], 0.99), ttfc_overhead,
-               cpu_s * 1e3 / max(1, n_proxy), sum(1 for s in samples if not s.ok))
+               cpu_s * 1e3 / max(1, n_proxy), sum(1 for s in samples if not s.ok),
+               ", ".join(f"{p} {e}: {n}" for (p, e), n in sorted(Counter(
+                   (s.path, s.error) for s in samples if s.error).items())))
 
 
 def print_rows(rows: list[Row]) -> None:
@@ -245,6 +256,9 @@ def print_rows(rows: list[Row]) -> None:
               f"{r.proxy_p99:>9.2f} {r.overhead_p99:>7.2f} {ttfc:>9} {r.proxy_cpu_ms:>10.2f} "
               f"{r.errors:>6}")
     print("(milliseconds; +p50/+p99/+TTFC = proxy minus direct, measured side by side)")
+    for r in rows:
+        if r.error_kinds:
+            print(f"errors at {r.clients} clients, {r.mode}: {r.error_kinds}")
 
 
 def bench(args: argparse.Namespace, state_dir: Path) -> dict[str, Any]:
@@ -307,7 +321,9 @@ def measure(args: argparse.Namespace, db_url: str, key: str, up_port: int, proxy
             per_client = args.single
         else:
             configure(max(1, round(args.reply_s * 1000 / args.chunk_ms)), args.reply_s)
-            per_client = args.per_client
+            # Above 32 clients, keep the total per level as at 32 (at least 1 each).
+            per_client = (args.per_client if clients <= 32
+                          else max(1, round(args.per_client * 32 / clients)))
         for mode in args.modes:
             cpu0 = sum(proxy_proc.cpu_times()[:2])
             samples = phase(clients, per_client, mode == "stream")
@@ -341,7 +357,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--modes", default="nonstream,stream", help="nonstream and/or stream")
     p.add_argument("--single", type=int, default=300, help="requests per path at 1 client")
     p.add_argument("--per-client", type=int, default=4,
-                   help="requests per path per client at more than 1 client")
+                   help="requests per path per client (above 32 clients scaled down to "
+                        "keep the total as at 32)")
     p.add_argument("--reply-s", type=float, default=2.0, help="engine reply time (> 1 client)")
     p.add_argument("--chunk-ms", type=float, default=10.0, help="ms between streamed tokens")
     p.add_argument("--json", type=Path, help="also write the figures here")

@@ -30,8 +30,8 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import bindparam, func, select, text, update
-from sqlalchemy.dialects.postgresql import BYTEA
+from sqlalchemy import Table, bindparam, func, select, text, update
+from sqlalchemy.dialects.postgresql import BYTEA, JSONB
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 from sqlalchemy.types import ARRAY
@@ -127,6 +127,15 @@ _MATCH = (
 )
 
 
+# Statements built once: constructing ORM statements per turn costs more CPU than running them.
+_TURNS: Table = Turn.__table__  # type: ignore[assignment]
+_INSERT_TURN = (pg_insert(_TURNS).on_conflict_do_nothing(index_elements=[_TURNS.c.uid])
+                .returning(_TURNS.c.id))
+_CONTINUE = (update(_TURNS).where(_TURNS.c.id == bindparam("matched_id"))
+             .values(state="continued", next_state=bindparam("messages", type_=JSONB),
+                     next_turn_id=bindparam("new_id"), next_state_at=func.now()))
+
+
 async def _find_continued(conn: AsyncConnection, rec: TurnRecord, session_id: uuid.UUID | None,
                           include_system: bool) -> tuple[Any, int] | None:
     """The open turn this request continues and the matched prefix length, if any."""
@@ -161,9 +170,36 @@ async def _next_index(conn: AsyncConnection, session_id: uuid.UUID) -> int:
     return 0 if last is None else int(last) + 1
 
 
-async def record_turn(conn: AsyncConnection, rec: TurnRecord, *, include_system: bool) -> bool:
-    """Insert one turn, inferring its session and attaching it as the next state of the turn
-    it continues (plus a judge job). Returns False when the uid was already stored."""
+async def record_turns(conn: AsyncConnection, records: Sequence[TurnRecord], *,
+                       include_system: bool) -> int:
+    """Store turns in order (inferring sessions, attaching next states, enqueueing judge
+    jobs), skipping uids already stored. Returns how many were inserted.
+
+    Work that does not depend on the order is done once per batch: the duplicate check,
+    `last_turn_at` of continued sessions and the job notification.
+    """
+    stored = set((await conn.execute(select(Turn.uid).where(
+        Turn.uid.in_([uuid.UUID(r.uid) for r in records])))).scalars())
+    touched: set[uuid.UUID] = set()
+    judged = inserted = 0
+    for rec in records:
+        if uuid.UUID(rec.uid) in stored:
+            continue
+        outcome = await _record_turn(conn, rec, include_system, touched)
+        if outcome is not None:
+            inserted += 1
+            judged += outcome
+    if touched:
+        await conn.execute(update(ChatSession).where(ChatSession.id.in_(touched))
+                           .values(last_turn_at=func.now()))
+    if judged:
+        await conn.execute(notify_stmt("judge"))
+    return inserted
+
+
+async def _record_turn(conn: AsyncConnection, rec: TurnRecord, include_system: bool,
+                       touched: set[uuid.UUID]) -> bool | None:
+    """Insert one turn; None if its uid exists, else whether a judge job was enqueued."""
     explicit = (explicit_session_id(rec.user_id, rec.session_external_id)
                 if rec.session_external_id else None)
     main_ok = rec.kind == "main" and rec.status == "ok"
@@ -180,31 +216,33 @@ async def record_turn(conn: AsyncConnection, rec: TurnRecord, *, include_system:
         session_id, index = None, 0
 
     if session_id is not None:
-        await _upsert_session(conn, rec, session_id, rec.session_external_id)
+        if explicit is not None or index == 0 or rec.session_done:
+            await _upsert_session(conn, rec, session_id, rec.session_external_id)
+        else:
+            touched.add(session_id)
         if index < 0:
             index = await _next_index(conn, session_id)
 
     fingerprint = (context_fingerprint(rec.request_messages, rec.response_message or {},
                                        include_system=include_system) if main_ok else None)
     state = "open" if main_ok and not rec.session_done else "closed"
-    new_id = (await conn.execute(
-        pg_insert(Turn).values(**rec.row(), session_id=session_id, index_in_session=index,
-                               context_fingerprint=fingerprint, state=state)
-        .on_conflict_do_nothing(index_elements=[Turn.uid]).returning(Turn.id))).scalar()
+    new_id = (await conn.execute(_INSERT_TURN, {
+        **rec.row(), "session_id": session_id, "index_in_session": index,
+        "context_fingerprint": fingerprint, "state": state})).scalar()
     if new_id is None:
-        return False
+        return None
 
+    judged = False
     if continued is not None:
-        await conn.execute(update(Turn).where(Turn.id == matched.id).values(
-            state="continued", next_state=rec.request_messages[prefix_len:],
-            next_turn_id=new_id, next_state_at=func.now()))
+        await conn.execute(_CONTINUE, {"matched_id": matched.id, "new_id": new_id,
+                                       "messages": rec.request_messages[prefix_len:]})
         if not rec.train_opt_out:
             await conn.execute(enqueue_stmt("judge", matched.id))
-            await conn.execute(notify_stmt("judge"))
+            judged = True
     if rec.session_done and session_id is not None:
         await conn.execute(update(Turn).where(Turn.session_id == session_id,
                                               Turn.state == "open").values(state="closed"))
-    return True
+    return judged
 
 
 async def close_stale_turns(conn: AsyncConnection, timeout_s: float) -> int:

@@ -159,14 +159,16 @@ def ensure_model(model: Path | None, state_dir: Path, env: dict[str, str]) -> Pa
         return model.resolve()
     model = (state_dir / "models" / "tinyworld").resolve()
     if has_module("trainer.pretrain"):
-        if (model / "tinyworld.json").is_file():
-            return model
-        verb = "build"  # pretrains the tiny world model; minutes, cached afterwards
+        # Cached by the builder itself (its key covers corpus and judge templates): the
+        # first run pretrains for minutes, later runs return at once.
+        verb = "build"
+        if not (model / "tinyworld.json").is_file():
+            print(f"pretraining the tiny world model into {model} (first run only; minutes) …",
+                  flush=True)
     elif (model / "config.json").is_file():
         return model
     else:
         verb = "init"  # a random tiny model: seconds
-    print(f"building the tiny model at {model} (clawrl tinyworld {verb}) …", flush=True)
     model.parent.mkdir(parents=True, exist_ok=True)
     done = subprocess.run([sys.executable, "-m", "proxy.cli", "tinyworld", verb, str(model)],
                           env=env, stdin=subprocess.DEVNULL, check=False)

@@ -14,16 +14,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 
-from sqlalchemy import select
 from sqlalchemy.exc import DataError, IntegrityError, SQLAlchemyError
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from proxy.db import Turn
 from proxy.journal import Journal
 from proxy.records import TurnRecord
-from proxy.sessions import record_turn
+from proxy.sessions import record_turns
 
 log = logging.getLogger("clawrl.proxy.store")
 
@@ -48,6 +45,7 @@ class TurnWriter:
         self._batch_done = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._inflight: list[TurnRecord] = []
+        self._conn: AsyncConnection | None = None
 
     @property
     def backlog(self) -> int:
@@ -76,6 +74,7 @@ class TurnWriter:
             if rest:
                 self._to_journal(rest)
         self._task = None
+        await self._drop_connection(broken=False)
 
     async def wait_stored(self, uid: str, timeout_s: float = 5.0) -> None:
         """Wait until a just-served turn has left the queue (for feedback on it)."""
@@ -148,15 +147,33 @@ class TurnWriter:
                       extra={"action": "journal_failed"})
 
     async def _store(self, batch: list[TurnRecord]) -> None:
-        """Store a batch in one transaction, skipping turns already stored."""
-        async with self.db.begin() as conn:
-            stored = set((await conn.execute(
-                select(Turn.uid).where(Turn.uid.in_([uuid.UUID(r.uid) for r in batch]))
-            )).scalars())
-            for record in batch:
-                if uuid.UUID(record.uid) not in stored:
-                    await record_turn(conn, record, include_system=self.include_system)
-        self.stored += len(batch)
+        """Store a batch in one transaction on the writer's own connection (kept open, so
+        a batch costs no pool checkout or ping); one retry on a fresh connection, since a
+        connection idle across a database restart fails once before anything is wrong."""
+        for attempt in (1, 2):
+            try:
+                conn = self._conn or await self.db.connect()
+                self._conn = conn
+                async with conn.begin():
+                    self.stored += await record_turns(conn, batch,
+                                                      include_system=self.include_system)
+                return
+            except _BAD_RECORD:
+                raise
+            except (SQLAlchemyError, OSError):
+                await self._drop_connection()
+                if attempt == 2:
+                    raise
+
+    async def _drop_connection(self, *, broken: bool = True) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            try:
+                if broken:
+                    await conn.invalidate()
+                await conn.close()
+            except (SQLAlchemyError, OSError):
+                pass
 
     async def _store_one_by_one(self, batch: list[TurnRecord]) -> None:
         for record in batch:

@@ -134,7 +134,22 @@ def train(settings: Settings, *, max_steps: int | None = None, once: bool = Fals
     if point.path is not None and not point.published:
         publish(db, settings.engine, cfg, current, point.path, metrics)
 
-    step, ok_steps = point.next_step, 0
+    try:
+        return run_steps(settings, db, backend, metrics, point.version, point.next_step,
+                         max_steps=max_steps, once=once, stop=stop)
+    finally:
+        db.dispose()
+        close = getattr(backend, "close", None)  # megatron: release follower ranks
+        if close is not None:
+            close()
+
+
+def run_steps(settings: Settings, db: Engine, backend: Backend, metrics: TrainerMetrics,
+              current: int, step: int, *, max_steps: int | None, once: bool,
+              stop: StopFlag) -> int:
+    """Claim → train → save → commit → publish, until stopped. Returns the ok step count."""
+    cfg, ok_steps = settings.trainer, 0
+    base_dir, weights_dir = settings.model_dir(), settings.weights_dir()
     while not stop() and (max_steps is None or ok_steps < max_steps):
         # 1. claim
         claim, skipped = claim_batch(db, cfg, backend.limits, current, should_stop=stop,
@@ -177,7 +192,6 @@ def train(settings: Settings, *, max_steps: int | None = None, once: bool = Fals
         step += 1
         if once:
             break
-    db.dispose()
     return ok_steps
 
 
@@ -199,6 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    for noisy in ("httpx", "alembic"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     settings = load_settings()
     overrides = {k: v for k, v in (("backend", args.backend), ("model", args.model),
                                    ("weights_dir", args.weights_dir), ("method", args.method),

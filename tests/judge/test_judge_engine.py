@@ -108,7 +108,7 @@ async def test_hint_gets_teacher_logprobs_into_the_sample(db: Engine, db_url: st
                                                           engine_url: str,
                                                           tiny_model_dir: Path) -> None:
     served = served_turn(engine_url)
-    add_turn(db, add_user(db), **served)
+    fits = add_turn(db, add_user(db), **served)
     long_request = [{"role": "user", "content": "tell me about Ada " * 1200}]
     too_long = add_turn(db, add_user(db), **{**served, "request_messages": long_request})
     judge = ScriptedJudge(prm=["The user asks for lowercase. \\boxed{-1}"],
@@ -129,7 +129,8 @@ async def test_hint_gets_teacher_logprobs_into_the_sample(db: Engine, db_url: st
     by_turn = {j.turn_id: j for j in rows(db, "SELECT * FROM judgments")}
     assert by_turn[too_long].teacher_logprobs is None
     assert by_turn[too_long].reason.startswith("teacher: prompt too long")
-    [s1, s2] = rows(db, "SELECT * FROM samples ORDER BY id")
+    samples = {s.turn_id: s for s in rows(db, "SELECT * FROM samples")}
+    s1, s2 = samples[fits], samples[too_long]
     assert s2.teacher_logprobs is None and s2.reward == -1  # reward alone still trains
     _, expected = direct_logprobs(tiny_model_dir, teacher_messages(REQUEST, HINT),
                                   served["response_ids"])

@@ -259,3 +259,76 @@ async def test_rejudge_supersedes_untrained_samples_and_skips_opted_out(
                       (turn, 1, 0, "superseded"), (trained, 1, 1, ""),
                       (turn, -1, 0, ""), (trained, -1, 0, "")])
     assert len(rows(db, "SELECT * FROM judgments")) == 4  # old judgments stay for audit
+
+
+async def test_a_live_worker_keeps_its_lease_on_a_slow_job(db: Engine, db_url: str) -> None:
+    add_turn(db, add_user(db))
+
+    started = asyncio.Event()
+
+    async def slow(request: httpx.Request) -> httpx.Response:
+        started.set()
+        await asyncio.sleep(1.5)  # longer than the lease: the heartbeat must extend it
+        return reply("\\boxed{1}")
+
+    stolen: list[Any] = []
+
+    async def thief() -> None:
+        await started.wait()  # the worker holds the job now
+        while True:
+            with db.begin() as conn:
+                stolen.extend(conn.execute(claim_stmt("judge", "thief", 1, 60.0)).all())
+            await asyncio.sleep(0.1)
+
+    stealing = asyncio.create_task(thief())
+    try:
+        await run_until(db_url, settings_for(db_url, votes=1, hint_votes=0, lease_s=0.6),
+                        slow, lambda: job_status(db) == ["done"] or bool(stolen))
+    finally:
+        stealing.cancel()
+    assert stolen == [] and jobs(db)[0].attempts == 1, (stolen, jobs(db))
+
+
+async def test_a_job_whose_lease_was_taken_over_writes_nothing(db: Engine,
+                                                               db_url: str) -> None:
+    add_turn(db, add_user(db))
+    started, release = asyncio.Event(), asyncio.Event()
+
+    async def gated(request: httpx.Request) -> httpx.Response:
+        started.set()
+        await release.wait()
+        return reply("\\boxed{1}")
+
+    db_async = create_async(db_url)
+    stop = asyncio.Event()
+    task = asyncio.create_task(Worker(settings_for(db_url, votes=1, hint_votes=0), db_async,
+                                      db_url, transport=httpx.MockTransport(gated)).run(stop))
+    try:
+        await asyncio.wait_for(started.wait(), 30)
+        with db.begin() as conn:  # as if the lease expired and another worker took it
+            conn.execute(text("UPDATE jobs SET locked_by = 'other'"))
+        release.set()
+        await asyncio.sleep(0.5)
+    finally:
+        release.set()
+        stop.set()
+        await task
+        await db_async.dispose()
+    assert rows(db, "SELECT * FROM judgments") == [] and rows(db, "SELECT * FROM samples") == []
+    [job] = jobs(db)
+    assert (job.status, job.locked_by) == ("running", "other")
+
+
+async def test_judge_prompt_over_the_context_is_a_skip_not_a_failure(db: Engine,
+                                                                     db_url: str) -> None:
+    turn = add_turn(db, add_user(db))
+
+    async def refuses(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(400, json={"object": "error", "message": (
+            "The input (900 tokens) is longer than the model's context length (512 tokens).")})
+
+    await run_until(db_url, settings_for(db_url), refuses, lambda: job_status(db) == ["done"])
+    [j] = rows(db, "SELECT * FROM judgments")
+    assert j.turn_id == turn and j.reward is None and j.votes == []
+    assert j.reason.startswith("skipped: judge prompt too long")
+    assert rows(db, "SELECT * FROM samples") == []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 import httpx
 import psycopg
@@ -247,3 +248,32 @@ async def test_admin_api_users_and_keys(db: AsyncEngine) -> None:
                             "samples": 0}
         assert (await c.get("/admin/users")).json()["data"] == []
         assert (await c.patch("/admin/users/hal", json={})).status_code == 400
+
+
+# --- through the real proxy app -------------------------------------------------------------
+
+async def test_keys_from_the_admin_api_work_on_the_chat_route(proxy_factory: Any) -> None:
+    """Issue, rate-limit and revoke a key over /admin on the running proxy (no engine needed:
+    an authenticated chat request then fails at the engine, 502)."""
+    proxy = await proxy_factory("http://127.0.0.1:9", admin_key="sekrit")
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    async with httpx.AsyncClient(base_url=proxy.url, timeout=30) as c:
+        admin_headers = {"authorization": "Bearer sekrit"}
+        assert (await c.post("/admin/users", json={"name": "ivy"},
+                             headers=admin_headers)).status_code == 201
+        r = await c.post("/admin/keys", json={"user": "ivy", "rate_limit_rpm": 1},
+                         headers=admin_headers)
+        key, prefix = r.json()["key"], r.json()["prefix"]
+        user = {"authorization": f"Bearer {key}"}
+        r = await c.post("/v1/chat/completions", json=chat)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "missing_api_key"
+        r = await c.post("/v1/chat/completions", json=chat, headers=user)
+        assert r.status_code == 502  # authenticated; the engine is not there
+        r = await c.post("/v1/chat/completions", json=chat, headers=user)
+        assert r.status_code == 429 and r.headers["retry-after"] == "60"
+        assert r.json()["error"]["type"] == "rate_limit_error"
+        r = await c.get("/admin/users", headers=user)  # a user key is not the admin key
+        assert r.status_code == 401
+        await c.post(f"/admin/keys/{prefix}/revoke", headers=admin_headers)
+        r = await c.post("/v1/chat/completions", json=chat, headers=user)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "revoked_api_key"

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import AsyncIterator
 
 import psycopg
 import pytest
-from sqlalchemy import select
+from sqlalchemy import event, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from proxy import admin
@@ -154,3 +155,20 @@ async def test_database_down_serves_known_keys_and_503s_unknown(db_url: str,
     with pytest.raises(Unavailable) as info:
         await auth.authenticate(bearer(other.secret))
     assert info.value.status == 503
+
+
+async def test_concurrent_misses_share_one_lookup(db: AsyncEngine) -> None:
+    await admin.create_user(db, "alice")
+    key = await admin.create_key(db, "alice")
+    lookups: list[str] = []
+
+    def count(conn: object, cursor: object, statement: str, *args: object) -> None:
+        if "FROM api_keys" in statement:
+            lookups.append(statement)
+
+    event.listen(db.sync_engine, "before_cursor_execute", count)
+    auth = Authenticator(db, ProxySettings(), clock=Clock())
+    principals = await asyncio.gather(*(auth.authenticate(bearer(key.secret))
+                                        for _ in range(20)))
+    assert {p.key_id for p in principals} == {key.info.id}
+    assert len(lookups) == 1

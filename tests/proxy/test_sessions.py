@@ -1,6 +1,6 @@
 """Session inference on real Postgres: which turn a request continues, and what is attached.
 
-These drive `record_turn` (the writer's storage step) with turn records shaped exactly as
+These drive `record_turns` (the writer's storage step) with turn records shaped exactly as
 the chat route builds them, so replies with tool calls — which the random tiny model cannot
 be relied on to produce — are covered too. tests/proxy/test_chat.py covers the same through
 HTTP with the real engine.
@@ -24,7 +24,7 @@ from proxy.sessions import (
     context_fingerprint,
     explicit_session_id,
     prefix_fingerprints,
-    record_turn,
+    record_turns,
 )
 
 SYS = {"role": "system", "content": "You are helpful. Time: 12:00"}
@@ -68,7 +68,7 @@ class Log:
                             request_messages=messages, params={"model": "m"},
                             response_message=reply, **{**self.defaults, **fields})
         async with self.db.begin() as conn:
-            assert await record_turn(conn, record, include_system=include_system)
+            assert await record_turns(conn, [record], include_system=include_system) == 1
         return record.uid
 
 
@@ -249,3 +249,25 @@ async def test_stale_turns_are_closed(db: AsyncEngine, db_url: str) -> None:
     late = await log.turn([user("hi"), assistant("hello"), user("still there?")], assistant("."))
     assert turn_row(db_url, old)["next_state"] is None
     assert turn_row(db_url, late)["index_in_session"] == 0
+
+
+async def test_one_batch_with_a_turn_its_continuation_and_a_duplicate(
+        db: AsyncEngine, db_url: str) -> None:
+    uid, _ = create_user(db_url, "ivan")
+
+    def rec(messages: list[dict[str, Any]], reply: str, uid_: str | None = None) -> TurnRecord:
+        return TurnRecord(uid=uid_ or str(uuid.uuid4()), user_id=uid, api_key_id=None,
+                          request_messages=messages, params={},
+                          response_message=assistant(reply))
+
+    first = rec([user("hi")], "hello")
+    second = rec([user("hi"), assistant("hello"), user("more")], "sure")
+    async with db.begin() as conn:
+        assert await record_turns(conn, [first, second, second],
+                                  include_system=False) == 2
+    r1, r2 = turn_row(db_url, first.uid), turn_row(db_url, second.uid)
+    assert r1["next_turn_id"] == r2["id"] and r2["index_in_session"] == 1
+    assert judge_jobs(db_url) == [r1["id"]]
+    async with db.begin() as conn:  # the same batch again (a replay) stores nothing
+        assert await record_turns(conn, [first, second], include_system=False) == 0
+    assert query(db_url, "SELECT count(*) FROM turns") == [(2,)]

@@ -247,16 +247,18 @@ async def test_seeded_sampling_is_reproducible(engine_url: str) -> None:
 async def test_client_disconnect_aborts_the_request(
         engine_factory: Any, tiny_model_dir: Path) -> None:
     url = engine_factory(tiny_model_dir)
-    body = {"text": "go", "stream": True,
-            "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True}}
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "go"}], "stream": True,
+            "max_tokens": 2000, "ignore_eos": True}
     async with httpx.AsyncClient(base_url=url, timeout=60) as client:
-        async with client.stream("POST", "/generate", json=body) as r:
-            async for line in r.aiter_lines():
-                if line.startswith("data: {"):
-                    break
+        async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+            lines = r.aiter_lines()  # read by hand: leaving an iterator closes the response
+            while not (line := await lines.__anext__()).startswith('data: {"id"') or \
+                    '"content": ""' in line:
+                pass  # until a token arrived: the request is in the scheduler
             # Frozen in place, the request keeps its KV cache: the engine is not idle ...
             await client.post("/pause_generation", json={"mode": "in_place"})
             assert (await client.post("/flush_cache")).status_code == 400
+            await r.aclose()
         # ... until the client goes away, which aborts it.
         for _ in range(300):
             if (await client.post("/flush_cache")).status_code == 200:

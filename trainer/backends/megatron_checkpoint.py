@@ -164,6 +164,7 @@ def save_distributed(
             json.dumps({"shape": model_shape(hf), **extra}, indent=1)
         )
     dist.barrier()
+    _init_adam_state(optimizer)  # a never-stepped optimizer saves as zeros at step 0
     model_sd = model.module.sharded_state_dict()
     sharded = {
         "model": model_sd,
@@ -196,11 +197,11 @@ def load_distributed(
 
 
 def _init_adam_state(optimizer: Any) -> None:
-    """Give a fresh torch Adam state (zeros, step 0) to every parameter before loading.
+    """Give a fresh torch Adam state (zeros, step 0) to every parameter that has none.
 
     Without Transformer Engine / Apex, megatron's DistributedOptimizer.state_dict() reads the
     common `step` from torch Adam's per-parameter state, which a never-stepped optimizer
-    does not have yet; the loaded checkpoint overwrites all of it.
+    does not have yet. Zeros at step 0 are exactly Adam's initial state.
     """
     for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = chained.optimizer

@@ -69,8 +69,8 @@ def check_supported(hf: Any, tp: int = 1, pp: int = 1) -> None:
 
     Raises UnsupportedModelError naming the missing piece.
     """
-    arch = ",".join(getattr(hf, "architectures", None) or []) or "?"
-    where = f"{arch} (model_type {hf.model_type!r})"
+    arch = ",".join(getattr(hf, "architectures", None) or [])
+    where = f"{arch} (model_type {hf.model_type!r})" if arch else f"model_type {hf.model_type!r}"
     missing: list[str] = []
     if hf.model_type not in SUPPORTED_MODEL_TYPES:
         missing.append(
@@ -168,7 +168,25 @@ def build_model(hf: Any, config: Any) -> Any:
         rotary_base=int(_rope_theta(hf)),
     )
     mark_tensor_parallel(model)
+    pad = getattr(hf, "pad_token_id", None)
+    if model.pre_process and pad is not None:
+        no_grad_through_padding_row(model.embedding.word_embeddings, int(pad))
     return model
+
+
+def no_grad_through_padding_row(embedding: torch.nn.Module, pad_id: int) -> None:
+    """HF's `nn.Embedding(padding_idx=pad_token_id)` semantics for megatron's embedding.
+
+    Llama / Qwen2 build `embed_tokens` with `padding_idx`, so a lookup of the pad token sends
+    no gradient to its row (the tied output layer still does). megatron's embedding has no
+    such option; detaching the looked-up vectors of pad tokens gives the same gradients.
+    """
+
+    def hook(module: torch.nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> Tensor:
+        is_pad = (inputs[0] == pad_id).unsqueeze(-1)  # [b, s, 1], output [b, s, h]
+        return torch.where(is_pad, output.detach(), output)
+
+    embedding.register_forward_hook(hook)
 
 
 def mark_tensor_parallel(model: torch.nn.Module) -> None:

@@ -111,7 +111,19 @@ def check_main(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
+    """Every rank: `check` or train; a bad model, layout or checkpoint is one line, exit 1."""
+    from trainer.backends.megatron_mapping import UnsupportedModelError
+    from trainer.export import CheckpointError
+
+    try:
+        return _dispatch(sys.argv[1:] if argv is None else argv)
+    except (UnsupportedModelError, CheckpointError, ValueError) as exc:
+        rank = os.environ.get("RANK", "0")
+        print(f"megatron_run (rank {rank}): {exc}", file=sys.stderr, flush=True)
+        return 1
+
+
+def _dispatch(args: list[str]) -> int:
     if args[:1] == ["check"]:
         return check_main(args[1:])
     if int(os.environ.get("RANK", "0")) != 0:

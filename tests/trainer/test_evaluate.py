@@ -1,0 +1,132 @@
+"""`clawrl eval`: the simulated users' conversations, the outputs, and (slow) the whole loop.
+
+The simulator unit tests put a scripted assistant behind `httpx.MockTransport` (the OpenAI
+API is the interface the users speak); the slow test runs the real stack: proxy, judge,
+trainer and engine with the small tiny world model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from openai import AsyncOpenAI
+
+from trainer import evaluate
+from trainer.simulate import SimUser
+from trainer.world import CORRECTIONS, FRESH_CORRECTIONS, World
+
+
+class ScriptedAssistant:
+    """An OpenAI-compatible endpoint that answers from a script and records requests."""
+
+    def __init__(self, replies: list[str]) -> None:
+        self.replies = list(replies)
+        self.requests: list[tuple[dict[str, str], dict[str, Any]]] = []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        self.requests.append((dict(request.headers), body))
+        text = self.replies.pop(0) if body.get("max_tokens") != 1 else "x"
+        return httpx.Response(200, json={
+            "id": "c1", "object": "chat.completion", "created": 0, "model": "default",
+            "choices": [{"index": 0, "finish_reason": "stop",
+                         "message": {"role": "assistant", "content": text}}]})
+
+
+def _user(script: ScriptedAssistant, pref: str) -> SimUser:
+    client = AsyncOpenAI(base_url="http://proxy.test/v1", api_key="ck-test",
+                         http_client=httpx.AsyncClient(transport=httpx.MockTransport(script)))
+    return SimUser("sim-0", pref, client, random.Random(0))
+
+
+async def test_violation_gets_a_correction_and_the_session_closes_with_a_next_state() -> None:
+    world = World.build(0)
+    script = ScriptedAssistant(["Ada lives in Porto.", "ada lives in porto.", "ada is a baker."])
+    user = _user(script, "lowercase")
+    await user.chat_session(world, questions=2, max_redos=1)
+    bodies = [b for _, b in script.requests]
+    assert len(bodies) == 4  # reply, redo, second question, closing one-token turn
+    correction = bodies[1]["messages"][-1]["content"]
+    assert correction in CORRECTIONS["lowercase"] + FRESH_CORRECTIONS["lowercase"]
+    assert bodies[1]["messages"][-2] == {"role": "assistant", "content": "Ada lives in Porto."}
+    closing_headers, closing = script.requests[-1]
+    assert closing["max_tokens"] == 1 and closing_headers["x-session-done"] == "true"
+    assert closing["messages"][-2]["content"] == "ada is a baker."
+    assert [e["satisfied"] for e in user.log] == [False, True, True]
+    await user.client.close()
+
+
+async def test_probe_sends_side_turns_and_scores_first_replies() -> None:
+    world = World.build(0)
+    prompts = [q.text for q in world.heldout[:2]]
+    answers = [world.answer(q) for q in world.heldout[:2]]
+    script = ScriptedAssistant([f"it is {answers[0]}.", "I Do Not Know."])
+    user = _user(script, "lowercase")
+    result = await user.probe(world, prompts)
+    assert result.satisfied == 0.5 and result.correct == 0.5
+    for headers, body in script.requests:
+        assert headers["x-turn-type"] == "side"
+        assert len(body["messages"]) == 1
+    await user.client.close()
+
+
+def _rows() -> list[dict[str, Any]]:
+    rows = []
+    for method, rise in [("combine", 0.2), ("none", 0.0)]:
+        for rnd in range(3):
+            for pref in ("lowercase", "brief"):
+                rows.append({"method": method, "round": rnd, "version": str(rnd),
+                             "user": f"sim-0-{pref}", "pref": pref,
+                             "satisfied": 0.3 + rise * rnd, "correct": 0.9})
+    return rows
+
+
+def test_table_and_curve(tmp_path: Path) -> None:
+    table = evaluate.print_table(_rows())
+    lines = table.splitlines()
+    assert len(lines) == 4 and "combine/lowercase" in lines[0] and "none/brief" in lines[0]
+    assert lines[3].startswith("2") and "0.70 (v2, acc 0.90)" in lines[3]
+    evaluate.plot_curve(_rows(), tmp_path / "curve.png")
+    assert (tmp_path / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--methods", "sgd"], "unknown or missing method/preference: ['sgd']"),
+    (["--prefs", "loud"], "unknown or missing method/preference: ['loud']"),
+    (["--rounds", "0"], "must be >= 1"),
+])
+def test_bad_arguments_are_one_clear_line(argv: list[str], message: str,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    assert evaluate.main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_every_method_gets_the_same_trainer_settings_but_the_method() -> None:
+    config = evaluate.EvalConfig(model=Path("m"), out=Path("o"))
+    envs = [evaluate.trainer_env(config, m) for m in ("rl", "opd", "combine")]
+    assert [e.pop("CLAWRL_TRAINER__METHOD") for e in envs] == ["rl", "opd", "combine"]
+    assert envs[0] == envs[1] == envs[2]
+
+
+@pytest.mark.slow
+def test_learning_beats_no_training_through_the_real_stack(
+        small_world_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """CI-sized `clawrl eval`: rl vs none, same seeds, a few published versions."""
+    server = os.environ.get("CLAWRL_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
+    monkeypatch.setenv("CLAWRL_DATABASE__URL",
+                       server.replace("postgresql://", "postgresql+psycopg://", 1))
+    out = tmp_path / "eval"
+    code = evaluate.main(["--model", str(small_world_dir), "--methods", "rl,none",
+                          "--prefs", "lowercase", "--rounds", "4", "--sessions", "4",
+                          "--probes", "16", "--lr", "3e-4", "--out", str(out)])
+    assert code == 0
+    rows = json.loads((out / "results.json").read_text())["probes"]
+    last = {r["method"]: r for r in rows if r["round"] == 4}
+    assert last["rl"]["version"] not in ("0", None)
+    assert last["rl"]["satisfied"] >= last["none"]["satisfied"] + 0.15, rows

@@ -1,0 +1,159 @@
+"""The stack `clawrl eval` runs for one method: a fresh database and its own processes.
+
+Reuses `clawrl up`'s process handling (proxy/stack.py): every service is a child process
+(`clawrl engine|proxy|judge|train`) logging to `<out>/<method>/logs/`, stopped in order.
+The database is a fresh one per method on the configured server (`CLAWRL_DATABASE__URL`),
+or on an embedded Postgres under `<out>/pg` when none is configured.
+`wait_trained` is how a round knows the loop has caught up: no judge job queued or
+running, no ready sample left untrained, and the engine serving the newest version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from proxy.stack import HOST, Stack, StackError, wait_healthy
+
+if TYPE_CHECKING:
+    from trainer.evaluate import EvalConfig
+
+__all__ = ["StackError", "ensure_model", "run_method", "wait_trained"]
+
+
+def ensure_model(model: Path, small: bool = False) -> Path:
+    """The model dir to serve: any Hugging Face model dir as it is, else the tiny world
+    model built (and cached) there."""
+    from trainer.pretrain import FULL, SMALL, build
+
+    if (model / "config.json").is_file():
+        return model
+    model.parent.mkdir(parents=True, exist_ok=True)
+    return build(model, SMALL if small else FULL)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind((HOST, 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def fresh_database(server_url: str, name: str) -> str:
+    """Create database `name` on the server of `server_url` and migrate it; its URL."""
+    import psycopg
+    from sqlalchemy.engine import make_url
+
+    from proxy.dbcli import upgrade
+
+    admin = make_url(server_url).set(drivername="postgresql")
+    with psycopg.connect(admin.render_as_string(hide_password=False), autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    url = make_url(server_url).set(database=name).render_as_string(hide_password=False)
+    upgrade(url)
+    return url
+
+
+def drop_database(server_url: str, name: str) -> None:
+    import psycopg
+    from sqlalchemy.engine import make_url
+
+    admin = make_url(server_url).set(drivername="postgresql")
+    with psycopg.connect(admin.render_as_string(hide_password=False), autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+PENDING_SQL = """
+SELECT
+  (SELECT count(*) FROM jobs WHERE kind = 'judge' AND status IN ('queued', 'running')),
+  (SELECT count(*) FROM samples WHERE trained_step IS NULL AND skipped_reason IS NULL),
+  (SELECT max(version) FROM policy_versions WHERE published_at IS NOT NULL)
+"""
+
+
+async def wait_trained(db: Any, engine_url: str, timeout_s: float,
+                       poll_s: float = 1.0) -> int | None:
+    """Wait until judge and trainer have caught up; the newest published version.
+
+    Two consecutive quiet polls are required, because turns reach the database a moment
+    after their responses (the proxy writes them in the background).
+    """
+    import httpx
+    from sqlalchemy import text
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    quiet = 0
+    async with httpx.AsyncClient(timeout=10.0) as http:
+        while loop.time() < deadline:
+            await asyncio.sleep(poll_s)
+            async with db.connect() as conn:
+                jobs, samples, newest = (await conn.execute(text(PENDING_SQL))).one()
+            serving = (await http.get(f"{engine_url}/model_info")).json().get("weight_version")
+            caught_up = jobs == 0 and samples == 0 and (newest is None or str(newest) == serving)
+            quiet = quiet + 1 if caught_up else 0
+            if quiet >= 2:
+                return None if newest is None else int(newest)
+    raise StackError(f"judge/trainer did not catch up within {timeout_s:.0f} s "
+                     f"(queued judge jobs {jobs}, untrained samples {samples})")
+
+
+def run_method(config: EvalConfig, method: str,
+               on_round: Callable[[str, int, list[dict[str, Any]]], None]) -> list[dict[str, Any]]:
+    """Start a fresh stack for `method`, run the rounds, stop everything; the probe rows."""
+    from proxy.dbcli import resolve_url, stop_embedded
+    from proxy.settings import load_settings
+    from trainer.evaluate import run_rounds, trainer_env
+
+    state = (config.out / method).resolve()
+    state.mkdir(parents=True, exist_ok=True)
+    settings = load_settings(state_dir=config.out.resolve())
+    embedded = settings.database.url is None
+    server = resolve_url(settings)
+    db_name = f"clawrl_eval_{method}_{uuid.uuid4().hex[:8]}"
+    db_url = fresh_database(server, db_name)
+    engine_port, proxy_port = _free_port(), _free_port()
+    engine_url = f"http://{HOST}:{engine_port}"
+    proxy_url = f"http://{HOST}:{proxy_port}"
+    env = {**os.environ, "CLAWRL_DATABASE__URL": db_url, "CLAWRL_STATE_DIR": str(state),
+           "CLAWRL_ENGINE__URL": engine_url, "CLAWRL_PROXY__HOST": HOST,
+           "CLAWRL_PROXY__PORT": str(proxy_port), "PYTHONUNBUFFERED": "1",
+           **trainer_env(config, method), **config.extra_env}
+    stack = Stack(state, env)
+    try:
+        engine = stack.start("engine", ["engine", "--model", str(config.model.resolve()),
+                                        "--host", HOST, "--port", str(engine_port),
+                                        "--threads", str(config.engine_threads)])
+        wait_healthy(stack, engine, f"{engine_url}/health", 300.0)
+        proxy = stack.start("proxy", ["proxy", "--host", HOST, "--port", str(proxy_port)])
+        wait_healthy(stack, proxy, f"{proxy_url}/readyz", 300.0)
+        if method != "none":
+            stack.start("judge", ["judge"])
+            stack.start("train", ["train", "--model", str(config.model.resolve()),
+                                  "--engine-url", engine_url, "--method", method,
+                                  "--weights-dir", str(state / "weights")])
+        return asyncio.run(_guarded(stack, run_rounds(config, method, proxy_url, db_url,
+                                                      engine_url, on_round)))
+    finally:
+        stack.stop()
+        drop_database(server, db_name)
+        if embedded:
+            stop_embedded(config.out.resolve())
+
+
+async def _guarded(stack: Stack, work: Any) -> Any:
+    """Run `work`, but fail fast (with the log tail) if a service dies meanwhile."""
+    task = asyncio.ensure_future(work)
+    while not task.done():
+        await asyncio.wait({task}, timeout=1.0)
+        dead = stack.dead()
+        if dead is not None and not task.done():
+            task.cancel()
+            raise StackError(f"the {dead.name} exited with code {dead.proc.returncode}; "
+                             f"see {dead.log_path}:\n{dead.tail()}")
+    return task.result()

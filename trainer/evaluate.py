@@ -1,0 +1,268 @@
+"""`clawrl eval`: measure that the whole loop learns, with simulated users over HTTP.
+
+    clawrl eval [--model DIR | --small] [--methods combine,rl,opd,none] [--rounds 8]
+                [--prefs lowercase,brief] [--out runs/eval-...]
+
+For each method, on the same seeds: start a fresh stack (Postgres database, embedded engine
+serving the pretrained tiny world model, proxy, judge worker, and — except for `none` — the
+trainer with that method), create one user and API key per simulated user, then repeat for
+`--rounds` rounds: every user chats (`--sessions` sessions, correcting violations of its
+hidden preference), the round waits until the judge has judged everything and the trainer
+has trained on it and published a new weight version, then every user probes held-out
+prompts as side turns (trainer/simulate.py). Round 0 is the base model.
+
+Output in `--out`: results.json (every probe, training steps, settings), a table on stdout
+(round x method x user: satisfaction, with weight version and task accuracy) and
+curve.png (satisfaction per round, one line per method and preference).
+
+The model defaults to `<state_dir>/models/tinyworld` (built with `clawrl tinyworld build`
+when missing; `--small` uses the test-sized build, for CI). Postgres: `CLAWRL_DATABASE__URL`
+(a fresh database per method is created on that server), else an embedded server per method.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from trainer.world import EVAL_PREFERENCES, World
+
+METHODS = ("combine", "rl", "opd", "none")
+
+
+@dataclass
+class EvalConfig:
+    model: Path
+    out: Path
+    methods: tuple[str, ...] = METHODS
+    prefs: tuple[str, ...] = ("lowercase", "brief")
+    users_per_pref: int = 1
+    rounds: int = 8
+    sessions: int = 4
+    probes: int = 16
+    seed: int = 0
+    world_seed: int = 0
+    lr: float = 1e-4
+    kl_coef: float = 0.05
+    batch_size: int = 16
+    round_timeout_s: float = 900.0
+    engine_threads: int = 1
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+
+def trainer_env(config: EvalConfig, method: str) -> dict[str, str]:
+    """Trainer settings of one method's stack (the same for every method but the method)."""
+    return {"CLAWRL_TRAINER__METHOD": method, "CLAWRL_TRAINER__LR": str(config.lr),
+            "CLAWRL_TRAINER__KL_COEF": str(config.kl_coef),
+            "CLAWRL_TRAINER__BATCH_SIZE": str(config.batch_size),
+            "CLAWRL_TRAINER__MICRO_BATCH_SIZE": str(min(8, config.batch_size)),
+            "CLAWRL_TRAINER__MAX_WAIT_S": "3", "CLAWRL_TRAINER__POLL_S": "0.5",
+            "CLAWRL_TRAINER__SEED": str(config.seed)}
+
+
+async def run_rounds(config: EvalConfig, method: str, proxy_url: str, db_url: str,
+                     engine_url: str, on_round: Any) -> list[dict[str, Any]]:
+    """Create the users, then chat / wait for training / probe, round after round."""
+    from openai import AsyncOpenAI
+
+    from proxy import admin
+    from proxy.db import create_async
+    from trainer.evalstack import wait_trained
+    from trainer.simulate import SimUser
+
+    world = World.build(config.world_seed)
+    probe_prompts = random.Random(f"probes-{config.seed}").sample(
+        [q.text for q in world.heldout], min(config.probes, len(world.heldout)))
+    db = create_async(db_url)
+    users: list[SimUser] = []
+    try:
+        for i, pref in enumerate(p for p in config.prefs for _ in range(config.users_per_pref)):
+            name = f"sim-{i}-{pref}"
+            await admin.ensure_user(db, name)
+            key = await admin.create_key(db, name, name="clawrl eval")
+            client = AsyncOpenAI(base_url=f"{proxy_url}/v1", api_key=key.secret,
+                                 max_retries=2, timeout=600.0)
+            users.append(SimUser(name, pref, client, random.Random(f"user-{config.seed}-{i}")))
+        rows: list[dict[str, Any]] = []
+        for rnd in range(config.rounds + 1):
+            if rnd > 0:
+                await asyncio.gather(*(_sessions(u, world, config.sessions) for u in users))
+                if method != "none":
+                    await wait_trained(db, engine_url, config.round_timeout_s)
+            version = await _serving_version(engine_url)
+            results = await asyncio.gather(*(u.probe(world, probe_prompts) for u in users))
+            for user, res in zip(users, results, strict=True):
+                rows.append({"method": method, "round": rnd, "version": version,
+                             "user": user.name, "pref": user.pref,
+                             "satisfied": round(res.satisfied, 4),
+                             "correct": round(res.correct, 4), "examples": res.replies[:3]})
+            on_round(method, rnd, rows[-len(users):])
+        return rows
+    finally:
+        for user in users:
+            await user.client.close()
+        await db.dispose()
+
+
+async def _sessions(user: Any, world: World, n: int) -> None:
+    for _ in range(n):
+        await user.chat_session(world)
+
+
+async def _serving_version(engine_url: str) -> str:
+    import httpx
+
+    async with httpx.AsyncClient(timeout=10.0) as http:
+        info = (await http.get(f"{engine_url}/model_info")).json()
+    version = info.get("weight_version")
+    # The base model serves under the engine's initial label ("default"): call it version 0.
+    return "0" if version in (None, "default") else str(version)
+
+
+def print_table(rows: list[dict[str, Any]]) -> str:
+    """Satisfaction (and task accuracy) per round, method and user, as plain text."""
+    users = sorted({(r["user"], r["pref"]) for r in rows})
+    methods = [m for m in METHODS if any(r["method"] == m for r in rows)]
+    cols = [(m, u) for m in methods for u, _ in users]
+    lines = ["round  " + "  ".join(f"{m}/{u.split('-', 2)[2]:<10}"[:22].ljust(22)
+                                   for m, u in cols)]
+    for rnd in sorted({r["round"] for r in rows}):
+        cells = []
+        for m, u in cols:
+            hit = [r for r in rows if r["round"] == rnd and r["method"] == m and r["user"] == u]
+            cells.append(f"{hit[0]['satisfied']:.2f} (v{hit[0]['version']}, acc "
+                         f"{hit[0]['correct']:.2f})".ljust(22) if hit else "-".ljust(22))
+        lines.append(f"{rnd:<5}  " + "  ".join(cells))
+    return "\n".join(lines)
+
+
+def plot_curve(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    prefs = sorted({r["pref"] for r in rows})
+    fig, axes = plt.subplots(1, len(prefs), figsize=(5 * len(prefs), 4), squeeze=False)
+    for ax, pref in zip(axes[0], prefs, strict=True):
+        for method in METHODS:
+            pts: dict[int, list[float]] = {}
+            for r in rows:
+                if r["method"] == method and r["pref"] == pref:
+                    pts.setdefault(r["round"], []).append(r["satisfied"])
+            if pts:
+                xs = sorted(pts)
+                ax.plot(xs, [sum(pts[x]) / len(pts[x]) for x in xs], marker="o", label=method)
+        ax.set_title(f"preference: {pref}")
+        ax.set_xlabel("round (one published version per round when training)")
+        ax.set_ylabel("held-out replies satisfying it")
+        ax.set_ylim(-0.02, 1.02)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def parse_args(argv: list[str]) -> EvalConfig:
+    from proxy.settings import load_settings
+
+    p = argparse.ArgumentParser(prog="clawrl eval", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", type=Path, help="model dir (default <state_dir>/models/tinyworld)")
+    p.add_argument("--small", action="store_true", help="the test-sized tiny world model (CI)")
+    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--prefs", default="lowercase,brief",
+                   help=f"hidden preferences, one simulated user each ({', '.join(EVAL_PREFERENCES)})")
+    p.add_argument("--users-per-pref", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=8, help="rounds of chat -> train -> probe")
+    p.add_argument("--sessions", type=int, default=4, help="chat sessions per user per round")
+    p.add_argument("--probes", type=int, default=16, help="held-out prompts per user per probe")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--kl-coef", type=float, default=0.05)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--round-timeout", type=float, default=900.0)
+    p.add_argument("--out", type=Path, default=None, help="output dir (default runs/eval-TIME)")
+    args = p.parse_args(argv)
+    methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
+    prefs = tuple(x.strip() for x in args.prefs.split(",") if x.strip())
+    bad = [m for m in methods if m not in METHODS] + [x for x in prefs
+                                                     if x not in EVAL_PREFERENCES]
+    if bad or not methods or not prefs:
+        raise SystemExit(f"clawrl eval: unknown or missing method/preference: {bad or 'none'}")
+    if min(args.rounds, args.sessions, args.probes, args.users_per_pref, args.batch_size) < 1:
+        raise SystemExit("clawrl eval: --rounds, --sessions, --probes, --users-per-pref and "
+                         "--batch-size must be >= 1")
+    state = load_settings().state_dir
+    model = args.model or state / "models" / ("tinyworld-small" if args.small else "tinyworld")
+    out = args.out or Path("runs") / time.strftime("eval-%Y%m%d-%H%M%S")
+    return EvalConfig(model=model, out=out, methods=methods, prefs=prefs,
+                      users_per_pref=args.users_per_pref, rounds=args.rounds,
+                      sessions=args.sessions, probes=args.probes, seed=args.seed,
+                      lr=args.lr, kl_coef=args.kl_coef, batch_size=args.batch_size,
+                      round_timeout_s=args.round_timeout,
+                      extra_env={"SMALL": "1"} if args.small else {})
+
+
+def main(argv: list[str]) -> int:
+    from trainer.evalstack import StackError, ensure_model, run_method
+
+    try:
+        config = parse_args(argv)
+    except SystemExit as exc:
+        if isinstance(exc.code, str):
+            print(exc.code, file=sys.stderr)
+            return 2
+        return int(exc.code or 0)
+    config.out.mkdir(parents=True, exist_ok=True)
+    try:
+        ensure_model(config.model, small=bool(config.extra_env.pop("SMALL", "")))
+    except (OSError, RuntimeError) as exc:
+        print(f"clawrl eval: cannot build the model at {config.model}: {exc}", file=sys.stderr)
+        return 1
+    rows: list[dict[str, Any]] = []
+    started = time.monotonic()
+    try:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(config.methods) * (config.rounds + 1), unit="probe", file=sys.stderr)
+
+        def on_round(method: str, rnd: int, new: list[dict[str, Any]]) -> None:
+            bar.set_postfix_str(f"{method} r{rnd} " + " ".join(
+                f"{r['pref']}={r['satisfied']:.2f}" for r in new))
+            bar.update(1)
+
+        for method in config.methods:
+            rows += run_method(config, method, on_round)
+            _write(config, rows, started)
+        bar.close()
+    except StackError as exc:
+        print(f"clawrl eval: {exc}", file=sys.stderr)
+        _write(config, rows, started)
+        return 1
+    except KeyboardInterrupt:
+        print("clawrl eval: interrupted; partial results written", file=sys.stderr)
+        _write(config, rows, started)
+        return 130
+    table = print_table(rows)
+    print(table)
+    print(f"\nresults: {config.out / 'results.json'}  curve: {config.out / 'curve.png'}  "
+          f"({(time.monotonic() - started) / 60:.1f} min)")
+    return 0
+
+
+def _write(config: EvalConfig, rows: list[dict[str, Any]], started: float) -> None:
+    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(config).items()}
+    (config.out / "results.json").write_text(json.dumps(
+        {"settings": settings, "minutes": round((time.monotonic() - started) / 60, 2),
+         "probes": rows}, indent=1, default=str))
+    if rows:
+        plot_curve(rows, config.out / "curve.png")
+        (config.out / "table.txt").write_text(print_table(rows) + "\n")

@@ -1,0 +1,100 @@
+"""Simulated users for `clawrl eval`: real HTTP clients of the proxy with hidden preferences.
+
+Each `SimUser` has its own API key and one hidden preference (trainer/world.py
+`EVAL_PREFERENCES`). It talks to the proxy with the official `openai` SDK, like any chat
+app would:
+
+- `chat_session`: asks a (held-in) question about the world; a reply that violates the
+  preference gets a natural correction, one that satisfies it gets praise and/or the next
+  question. Corrections and praise are drawn from the corpus phrasings AND fresh ones the
+  model never saw, so the judge is measured on language it was not tuned on. The session
+  ends with a one-token request carrying the last follow-up (`X-Session-Done`), so every
+  real reply has a next state for the judge.
+- `probe`: held-out questions (never in the corpus, never trained) sent as side turns
+  (`X-Turn-Type: side`), each in a fresh conversation; the score is the share of these
+  first replies that satisfy the preference, plus their answer accuracy.
+
+Seeded: the same seed gives every method the same users, questions and phrasings (the
+replies, of course, differ).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+from trainer.world import World, corrections, followups, is_correct, satisfies
+
+SIDE = {"X-Turn-Type": "side"}
+DONE = {"X-Session-Done": "true"}
+
+
+@dataclass
+class ProbeResult:
+    satisfied: float
+    correct: float
+    replies: list[str]
+
+
+@dataclass
+class SimUser:
+    """One simulated person: a name, a hidden preference, an API client and an RNG."""
+
+    name: str
+    pref: str
+    client: Any  # openai.AsyncOpenAI with this user's key
+    rng: random.Random
+    model: str = "default"
+    temperature: float = 1.0
+    max_tokens: int = 64
+    log: list[dict[str, Any]] = field(default_factory=list)
+
+    async def _complete(self, messages: list[dict[str, str]], headers: dict[str, str] | None = None,
+                        max_tokens: int | None = None) -> str:
+        resp = await self.client.chat.completions.create(
+            model=self.model, messages=messages, temperature=self.temperature,
+            max_tokens=max_tokens or self.max_tokens, extra_headers=headers or {})
+        return str(resp.choices[0].message.content or "")
+
+    async def chat_session(self, world: World, questions: int = 2, max_redos: int = 1) -> None:
+        """One conversation of up to `questions` questions.
+
+        A violating reply gets a correction (and a redo) up to `max_redos` times; if the redo
+        still violates, the user sends one more correction and leaves. A satisfying reply gets
+        praise, alone or with the next question. Every reply thus gets a next state; the last
+        one arrives with a one-token `X-Session-Done` request (never trained).
+        """
+        messages: list[dict[str, str]] = []
+        prefix = ""
+        for i in range(questions):
+            q = self.rng.choice(world.train)
+            messages.append({"role": "user", "content": f"{prefix} {q.text}".strip()})
+            for attempt in range(max_redos + 1):
+                reply = await self._complete(messages)
+                messages.append({"role": "assistant", "content": reply})
+                ok = satisfies(self.pref, reply)
+                self.log.append({"question": q.text, "reply": reply, "satisfied": ok,
+                                 "correct": is_correct(world, q, reply), "attempt": attempt})
+                if ok:
+                    break
+                messages.append({"role": "user",
+                                 "content": self.rng.choice(corrections(self.pref))})
+                if attempt == max_redos:  # gives up; the correction is the last next state
+                    await self._complete(messages, DONE, max_tokens=1)
+                    return
+            praise = self.rng.choice(followups())
+            if i == questions - 1:
+                messages.append({"role": "user", "content": praise})
+                await self._complete(messages, DONE, max_tokens=1)
+                return
+            prefix = praise if self.rng.random() < 0.5 else ""
+
+    async def probe(self, world: World, prompts: list[str]) -> ProbeResult:
+        """First replies to held-out prompts, as side turns in fresh conversations."""
+        replies = [await self._complete([{"role": "user", "content": p}], SIDE) for p in prompts]
+        questions = [world.find(p) for p in prompts]
+        correct = [q is not None and is_correct(world, q, r)
+                   for q, r in zip(questions, replies, strict=True)]
+        ok = [satisfies(self.pref, r) for r in replies]
+        return ProbeResult(sum(ok) / len(ok), sum(correct) / len(correct), replies)
