@@ -33,15 +33,9 @@ from proxy.settings import EngineSettings
 @dataclass(frozen=True)
 class Completion:
     text: str
-    model: str | None
-    weight_version: str | None
-
-    @property
-    def label(self) -> str | None:
-        """The judge model as stored in judgments.judge_model (with the policy's version)."""
-        if self.weight_version is None:
-            return self.model
-        return f"{self.model or 'policy'}@{self.weight_version}"
+    # The judge as stored in judgments.judge_model: the API's model name, or
+    # `policy@<weight_version>` when the policy engine judged (its version changes).
+    label: str
 
 
 def _error_message(response: httpx.Response) -> str:
@@ -49,10 +43,12 @@ def _error_message(response: httpx.Response) -> str:
         body = response.json()
     except ValueError:
         return response.text[:300]
-    err = body.get("error") if isinstance(body, dict) else None
+    if not isinstance(body, dict):
+        return str(body)[:300]
+    err = body.get("error")
     if isinstance(err, dict):
         return str(err.get("message", err))[:300]
-    return str(err or body)[:300]
+    return str(err or body.get("message") or body)[:300]
 
 
 async def post_json(client: httpx.AsyncClient, url: str, body: Mapping[str, Any], *,
@@ -85,7 +81,7 @@ class ChatBackend:
                  api_key: str | None, concurrency: int) -> None:
         self.client = client
         self.url = base_url.rstrip("/") + "/chat/completions"
-        self.model = model
+        self.model = model  # None: the policy engine (serves one model; the name is ignored)
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.semaphore = asyncio.Semaphore(concurrency)
 
@@ -104,9 +100,11 @@ class ChatBackend:
         text = message.get("content") if isinstance(message, dict) else None
         metadata = data.get("metadata") if isinstance(data, dict) else None
         version = metadata.get("weight_version") if isinstance(metadata, dict) else None
-        return Completion(text=storable(text) if isinstance(text, str) else "",
-                          model=data.get("model") or self.model,
-                          weight_version=str(version) if version is not None else None)
+        if self.model is not None:
+            label = self.model
+        else:
+            label = "policy" if version is None else f"policy@{version}"
+        return Completion(text=storable(text) if isinstance(text, str) else "", label=label)
 
 
 def http_client(timeout_s: float, connect_timeout_s: float, *, max_connections: int,

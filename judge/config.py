@@ -50,6 +50,7 @@ class JudgeSettings(BaseModel):
     timeout_s: float = Field(default=120.0, gt=0)
     # Teacher engine for hint logprobs; None means the policy engine (self-distillation).
     teacher_url: str | None = None
+    teacher_timeout_s: float = Field(default=120.0, gt=0)
     teacher_enabled: bool = True
     prompt_version: str = DEFAULT_VERSION
     # A hint shorter than this (characters inside the markers) is rejected as trivial.

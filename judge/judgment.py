@@ -24,7 +24,13 @@ from judge.config import JudgeSettings
 from judge.errors import JobInvalid, PromptTooLong, first_error
 from judge.hints import HintResult, extract_hint
 from judge.prm import PrmResult, score_turn
-from judge.prompts import FeedbackItem, render_fields, render_hint, render_prm
+from judge.prompts import (
+    FeedbackItem,
+    load_template,
+    render_fields,
+    render_hint,
+    render_prm,
+)
 from judge.teacher import TeacherEngine, TeacherResult, compute_teacher_logprobs
 from proxy.db import Feedback, Judgment, Sample, Turn, User
 from proxy.jobs import ClaimedJob, complete_stmt
@@ -73,7 +79,9 @@ def sample_blocker(turn: Turn, reward: int | None, teacher: list[float] | None) 
     return None
 
 
-async def load_turn(conn: AsyncConnection, turn_id: int) -> tuple[Turn, bool, list[FeedbackItem]]:
+async def load_turn(conn: AsyncConnection,
+                    turn_id: int) -> tuple[Turn, bool, list[FeedbackItem]]:
+    """The turn, whether its user opted out of training, and its explicit feedback."""
     table = Turn.__table__
     row = (await conn.execute(
         select(table, User.train_opt_out).join(User, User.id == table.c.user_id)
@@ -84,7 +92,8 @@ async def load_turn(conn: AsyncConnection, turn_id: int) -> tuple[Turn, bool, li
         select(Feedback.rating, Feedback.text).where(Feedback.turn_id == turn_id)
         .order_by(Feedback.created_at, Feedback.id))).all()
     turn = Turn(**{c.key: row._mapping[c] for c in table.columns})
-    return turn, bool(row.train_opt_out), [FeedbackItem(rating=f.rating, text=f.text) for f in feedback]
+    items = [FeedbackItem(rating=f.rating, text=f.text) for f in feedback]
+    return turn, bool(row.train_opt_out), items
 
 
 async def run_judges(turn: Turn, feedback: list[FeedbackItem], *, settings: JudgeSettings,
@@ -173,6 +182,11 @@ async def judge_job(db: AsyncEngine, job: ClaimedJob, worker: str, *, settings: 
     if job.turn_id is None:
         raise JobInvalid("judge job without a turn_id")
     prompt_version = str(job.payload.get("prompt_version") or settings.prompt_version)
+    try:
+        load_template("prm", prompt_version)
+        load_template("hint", prompt_version)
+    except (FileNotFoundError, ValueError) as exc:
+        raise JobInvalid(f"prompt version {prompt_version!r}: {exc}") from exc
     async with db.connect() as conn:
         turn, opted_out, feedback = await load_turn(conn, job.turn_id)
     if opted_out or turn.kind != "main":

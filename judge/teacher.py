@@ -103,6 +103,8 @@ class TeacherEngine:
             # turn, not a failure of the job.
             if says_too_long(str(exc)):
                 raise PromptTooLong(str(exc)) from exc
+            if exc.status == 429:  # rate limited: try again later
+                raise BackendUnavailable(f"teacher: {exc}") from exc
             raise BackendRejected(f"teacher: {exc}") from exc
         except EngineProtocolError as exc:
             raise BadBackendResponse(f"teacher: {exc}") from exc

@@ -119,7 +119,8 @@ class Worker:
         url = s.teacher_url or self.engine_settings.url
         key = self.engine_settings.api_key if s.teacher_url is None else None
         return EngineClient(url, api_key=key.get_secret_value() if key else None,
-                            timeout=httpx.Timeout(s.timeout_s, connect=s.connect_timeout_s),
+                            timeout=httpx.Timeout(s.teacher_timeout_s,
+                                                  connect=s.connect_timeout_s),
                             transport=self.teacher_transport,
                             max_connections=s.backend_concurrency * 2)
 

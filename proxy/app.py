@@ -119,8 +119,10 @@ def create_app(settings: Settings, *, db_url: str | None = None,
             await client.aclose()
             await db.dispose()
 
+    # FastAPI's own OpenTelemetry hooks are off: /metrics covers this, per request for less.
     app = FastAPI(title="clawrl proxy", lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url=None)
+                  openapi_url=None, telemetry={"tracing": False, "metrics": False,
+                                               "logs": False, "operation_spans": False})
     app.state.settings = settings
     # Read through the app state, so the gauges follow the writer of the running lifespan.
     app.state.metrics = ProxyMetrics(

@@ -199,10 +199,12 @@ def bench_database(state_dir: Path) -> Iterator[str]:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
-async def make_key(db_url: str) -> str:
+async def make_key(db_url: str, *, log_opt_out: bool = False) -> str:
     db = create_async(db_url)
     try:
         await admin.ensure_user(db, "bench")
+        if log_opt_out:
+            await admin.set_opt_out(db, "bench", logging=True)
         return (await admin.create_key(db, "bench", name="bench", rate_limit_rpm=0)).secret
     finally:
         await db.dispose()
@@ -264,7 +266,7 @@ def print_rows(rows: list[Row]) -> None:
 def bench(args: argparse.Namespace, state_dir: Path) -> dict[str, Any]:
     with bench_database(state_dir) as db_url:
         upgrade(db_url)
-        key = asyncio.run(make_key(db_url))
+        key = asyncio.run(make_key(db_url, log_opt_out=args.no_logging))
         up_port, proxy_port = free_port(), free_port()
         env = {**os.environ, "CLAWRL_DATABASE__URL": db_url, "CLAWRL_STATE_DIR": str(state_dir),
                "CLAWRL_ENGINE__URL": f"http://{HOST}:{up_port}",
@@ -314,7 +316,8 @@ def measure(args: argparse.Namespace, db_url: str, key: str, up_port: int, proxy
 
     configure(16, 0.0)
     for stream in (False, True):  # warm-up: connections, caches, the JIT-less first calls
-        served += sum(s.ok and s.path == "proxy" for s in phase(4, 10, stream))
+        served += sum(s.ok and s.path == "proxy"
+                      for s in phase(4, max(1, min(10, args.single // 4)), stream))
     for clients in args.clients:
         if clients == 1:
             configure(16, 0.0)
@@ -332,8 +335,9 @@ def measure(args: argparse.Namespace, db_url: str, key: str, up_port: int, proxy
             rows.append(summarize(clients, mode, samples, cpu_s))
             print(f"  done: {clients} clients, {mode}", file=sys.stderr, flush=True)
     # Drain: the writer logs turns in the background; wait until the count settles.
-    rows_in_db, settled_at = -1, time.monotonic()
-    while time.monotonic() - settled_at < 5.0 and rows_in_db < served:
+    rows_in_db, settled_at = count_turns(db_url), time.monotonic()
+    while (not args.no_logging and time.monotonic() - settled_at < 5.0
+           and rows_in_db < served):
         now_rows = count_turns(db_url)
         if now_rows != rows_in_db:
             rows_in_db, settled_at = now_rows, time.monotonic()
@@ -343,7 +347,7 @@ def measure(args: argparse.Namespace, db_url: str, key: str, up_port: int, proxy
         profiler.send_signal(signal.SIGINT)
         profiler.wait(30)
     print_rows(rows)
-    lost = max(0, served - rows_in_db)
+    lost = 0 if args.no_logging else max(0, served - rows_in_db)
     print(f"proxy peak RSS {peak / 2**20:.0f} MB; responses served {served}, rows in Postgres "
           f"{rows_in_db}, turns lost {lost}")
     return {"rows": [asdict(r) | {"overhead_p50": r.overhead_p50,
@@ -361,6 +365,8 @@ def main(argv: list[str]) -> int:
                         "keep the total as at 32)")
     p.add_argument("--reply-s", type=float, default=2.0, help="engine reply time (> 1 client)")
     p.add_argument("--chunk-ms", type=float, default=10.0, help="ms between streamed tokens")
+    p.add_argument("--no-logging", action="store_true",
+                   help="bench user opted out of logging: shows what the turn log costs")
     p.add_argument("--json", type=Path, help="also write the figures here")
     p.add_argument("--profile", type=Path,
                    help="record the proxy with py-spy into this file (collapsed stacks)")

@@ -7,10 +7,10 @@ allowed here and pass through to the engine untouched.
 
 from __future__ import annotations
 
-import json
 import uuid
 from typing import Any, Literal
 
+import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from proxy.errors import BadRequest
@@ -110,8 +110,8 @@ def _describe(exc: ValidationError) -> str:
 def parse_chat_request(raw: bytes) -> tuple[dict[str, Any], ChatCompletionRequest]:
     """The raw JSON object (to forward) and its validated view, or BadRequest."""
     try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
         raise BadRequest(f"The request body is not valid JSON: {exc}",
                          code="invalid_json") from exc
     if not isinstance(body, dict):

@@ -9,11 +9,13 @@ not stored at all.
 
 from __future__ import annotations
 
-import json
+import asyncio
 import time
 import uuid
-from typing import Any
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 
+import orjson
 from fastapi import APIRouter, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sqlalchemy import insert, select
@@ -36,6 +38,7 @@ from proxy.sse import RelayResponse, StreamCollector, relay
 from proxy.upstream import client_view, engine_body, parse_reply
 
 router = APIRouter()
+T = TypeVar("T")
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _MAX_SESSION_ID = 256
@@ -68,6 +71,37 @@ def _session_header(request: Request) -> str | None:
     if len(value) > _MAX_SESSION_ID:
         raise BadRequest(f"The X-Session-Id header is longer than {_MAX_SESSION_ID} chars.")
     return value or None
+
+
+class ClientGone(Exception):
+    """The client disconnected while the engine was still working on its request."""
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await the engine call `work`, but cancel it (closing the engine request, so the
+    engine stops generating) as soon as the client disconnects, raising ClientGone.
+
+    After the body is read, the ASGI `receive` only ever answers `http.disconnect`."""
+    task = asyncio.current_task()
+    assert task is not None
+    gone = False
+
+    async def watch() -> None:
+        nonlocal gone
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        gone = True
+        task.cancel()
+
+    watcher = asyncio.create_task(watch())
+    try:
+        return await work
+    except asyncio.CancelledError:
+        if gone and task.uncancel() == 0:
+            raise ClientGone() from None
+        raise
+    finally:
+        watcher.cancel()
 
 
 async def _principal(request: Request) -> Principal:
@@ -111,9 +145,14 @@ async def chat_completions(request: Request) -> Response:
 
     try:
         if chat.stream:
-            upstream = await state.upstream.open_chat_stream(engine_body(body, stream=True))
+            upstream = await until_disconnect(
+                request, state.upstream.open_chat_stream(engine_body(body, stream=True)))
         else:
-            data = await state.upstream.chat(engine_body(body, stream=False))
+            data = await until_disconnect(
+                request, state.upstream.chat(engine_body(body, stream=False)))
+    except ClientGone:
+        log_turn("client_disconnected", "The client left before the reply was ready.")
+        return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
     except (UpstreamError, UpstreamTimeout) as exc:
         # The engine was called: keep the failed turn (never trained), tell the client its id.
         log_turn("engine_error", exc.message)
@@ -147,7 +186,7 @@ async def chat_completions(request: Request) -> Response:
         record.weight_version = reply.weight_version or state.upstream.weight_version
     state.metrics.count_tokens(len(reply.prompt_ids or ()), len(reply.response_ids or ()))
     log_turn("ok")
-    content = json.dumps(client_view(data, wants_logprobs=wants_logprobs), ensure_ascii=False)
+    content = orjson.dumps(client_view(data, wants_logprobs=wants_logprobs))
     return Response(content, media_type="application/json", headers=headers)
 
 
@@ -204,7 +243,7 @@ async def readyz(request: Request) -> Response:
     body = {"status": "ready" if ready else "not_ready", "engine": engine,
             "turn_log_backlog": state.writer.backlog,
             "journal_turns": state.writer.journal.pending}
-    return Response(json.dumps(body), status_code=200 if ready else 503,
+    return Response(orjson.dumps(body), status_code=200 if ready else 503,
                     media_type="application/json")
 
 

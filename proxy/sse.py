@@ -14,13 +14,13 @@ status 'engine_error'; the client going away -> the upstream request is closed a
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
 import httpx
+import orjson
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
@@ -90,21 +90,27 @@ class StreamCollector:
         return message
 
 
-async def iter_data(response: httpx.Response) -> AsyncIterator[str]:
-    """The `data` payload of each server-sent event, as soon as its block is complete."""
+async def iter_data(response: httpx.Response) -> AsyncIterator[list[bytes]]:
+    """The `data` payloads of server-sent events as soon as their blocks are complete,
+    grouped by the network read that completed them (so a burst is relayed in one send)."""
     buffer = b""
     async for piece in response.aiter_bytes():
         buffer += piece.replace(b"\r\n", b"\n")
-        while b"\n\n" in buffer:
-            block, buffer = buffer.split(b"\n\n", 1)
+        if b"\n\n" not in buffer:
+            continue
+        *blocks, buffer = buffer.split(b"\n\n")
+        group = []
+        for block in blocks:
             data = [line[5:].removeprefix(b" ") for line in block.split(b"\n")
                     if line.startswith(b"data:")]
             if data:
-                yield b"\n".join(data).decode()
+                group.append(b"\n".join(data))
+        if group:
+            yield group
 
 
 def error_event(error: ClawrlError) -> bytes:
-    return b"data: " + json.dumps(error.body()).encode() + b"\n\n"
+    return b"data: " + orjson.dumps(error.body()) + b"\n\n"
 
 
 def _engine_error(chunk: dict[str, Any]) -> ClawrlError | None:
@@ -125,7 +131,7 @@ def client_chunk(chunk: dict[str, Any], *, wants_logprobs: bool) -> bytes | None
     if not wants_logprobs:
         for choice in chunk.get("choices") or []:
             choice["logprobs"] = None
-    return b"data: " + json.dumps(chunk, ensure_ascii=False).encode() + b"\n\n"
+    return b"data: " + orjson.dumps(chunk) + b"\n\n"
 
 
 Finish = Callable[[StreamCollector, str, str | None], None]
@@ -139,21 +145,30 @@ async def relay(upstream: httpx.Response, *, wants_logprobs: bool,
     try:
         failure: ClawrlError | None = None
         try:
-            async for data in iter_data(upstream):
-                if data.strip() == "[DONE]":
+            async for group in iter_data(upstream):
+                out, done = [], False
+                for data in group:
+                    if data.strip() == b"[DONE]":
+                        done = True
+                        break
+                    try:
+                        chunk = orjson.loads(data)
+                    except orjson.JSONDecodeError:
+                        chunk = None
+                    if not isinstance(chunk, dict):
+                        failure = UpstreamError("The engine sent an unreadable stream chunk.")
+                        break
+                    failure = _engine_error(chunk)
+                    if failure is not None:
+                        break
+                    collector.add(chunk)
+                    piece = client_chunk(chunk, wants_logprobs=wants_logprobs)
+                    if piece is not None:
+                        out.append(piece)
+                if out:
+                    yield b"".join(out)
+                if done or failure is not None:
                     break
-                try:
-                    chunk = json.loads(data)
-                except ValueError:
-                    failure = UpstreamError("The engine sent an unreadable stream chunk.")
-                    break
-                failure = _engine_error(chunk)
-                if failure is not None:
-                    break
-                collector.add(chunk)
-                out = client_chunk(chunk, wants_logprobs=wants_logprobs)
-                if out is not None:
-                    yield out
         except httpx.HTTPError as exc:
             failure = translate(exc)
         if failure is None and collector.finish_reason is None:

@@ -12,8 +12,9 @@
    the database URL through `CLAWRL_DATABASE__URL`.
 4. A user "demo" (reused) and a fresh API key are printed with the base URL and examples.
 
-Ctrl-C or SIGTERM stops the children (proxy first, engine last), then Postgres. A child
-that dies takes the stack down with a non-zero exit and the tail of its log. Nothing reads
+Ctrl-C or SIGTERM stops the children (proxy first, engine last), then Postgres. A judge or
+trainer that dies is restarted (up to 5 times); the engine or proxy dying takes the stack
+down with a non-zero exit and the tail of its log. Nothing reads
 stdin, so it runs the same under CI. `--exit-after-ready` stops as soon as all is up.
 """
 
@@ -32,7 +33,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import IO
+from typing import IO, NoReturn
 
 import httpx
 from sqlalchemy.exc import ArgumentError, DBAPIError
@@ -46,15 +47,22 @@ from proxy.settings import load_settings
 HOST = "127.0.0.1"
 # Children are stopped in this order (the proxy stops taking requests first).
 STOP_ORDER = ("proxy", "judge", "train", "engine")
+# Workers that die are restarted (their work is in Postgres); the engine or proxy dying
+# stops the stack.
+WORKERS = ("judge", "train")
+MAX_RESTARTS = 5
+RESTART_DELAY_S = 5.0
 
 
 class StackError(Exception):
-    """A step of `clawrl up` failed; the message is one line for the terminal."""
+    """A step of `clawrl up` failed; the message's first line says what (a log tail may
+    follow)."""
 
 
 @dataclass
 class Child:
     name: str
+    args: list[str]
     proc: subprocess.Popen[bytes]
     log_path: Path
     log: IO[bytes] = field(repr=False)
@@ -85,9 +93,14 @@ class Stack:
             [sys.executable, "-m", "proxy.cli", *args], env=self.env, stdin=subprocess.DEVNULL,
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             preexec_fn=_die_with_parent)
-        child = Child(name, proc, log_path, log)
+        child = Child(name, args, proc, log_path, log)
         self.children[name] = child
         return child
+
+    def restart(self, name: str) -> Child:
+        old = self.children.pop(name)
+        old.log.close()
+        return self.start(name, old.args)
 
     def dead(self) -> Child | None:
         return next((c for c in self.children.values() if c.proc.poll() is not None), None)
@@ -219,6 +232,23 @@ messages=[{{"role": "user", "content": "hello"}}]).choices[0].message.content)'
 Ctrl-C stops everything.""", flush=True)
 
 
+def supervise(stack: Stack) -> NoReturn:
+    """Watch the children until Ctrl-C/SIGTERM; restart a dead worker, stop on anything else."""
+    restarts: dict[str, int] = {}
+    while True:
+        time.sleep(0.5)
+        dead = stack.dead()
+        if dead is None:
+            continue
+        gone = f"the {dead.name} exited with code {dead.proc.returncode}; see {dead.log_path}"
+        if dead.name not in WORKERS or restarts.get(dead.name, 0) >= MAX_RESTARTS:
+            raise StackError(f"{gone}:\n{dead.tail()}")
+        restarts[dead.name] = restarts.get(dead.name, 0) + 1
+        print(f"{gone}; restarting it ({restarts[dead.name]}/{MAX_RESTARTS})", flush=True)
+        time.sleep(RESTART_DELAY_S)
+        stack.restart(dead.name)
+
+
 def _raise_on_sigterm(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt
 
@@ -277,10 +307,7 @@ def run_children(args: argparse.Namespace, state_dir: Path, db_url: str) -> int:
                 raise StackError(f"the {dead.name} exited with code {dead.proc.returncode}; "
                                  f"see {dead.log_path}:\n{dead.tail()}")
             return 0
-        while (dead := stack.dead()) is None:
-            time.sleep(0.5)
-        raise StackError(f"the {dead.name} exited with code {dead.proc.returncode}; "
-                         f"see {dead.log_path}:\n{dead.tail()}")
+        supervise(stack)
     finally:
         # A second Ctrl-C / SIGTERM must not interrupt the orderly stop.
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -18,11 +18,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+import orjson
 
 from proxy.errors import BadRequest, ClawrlError, UpstreamError, UpstreamTimeout
 from proxy.settings import EngineSettings
 
 CHAT_PATH = "/v1/chat/completions"
+_JSON = {"Content-Type": "application/json"}
 
 # Fields the proxy owns on the way to the engine; a client's value for them is replaced.
 _STREAM_ONLY_CONFLICTS = ("return_token_ids", "return_prompt_token_ids", "return_meta_info")
@@ -152,14 +154,15 @@ class Upstream:
 
     async def chat(self, body: dict[str, Any]) -> dict[str, Any]:
         try:
-            response = await self.client.post(CHAT_PATH, json=body)
+            response = await self.client.post(CHAT_PATH, content=orjson.dumps(body),
+                                              headers=_JSON)
         except httpx.HTTPError as exc:
             raise translate(exc) from exc
         if response.status_code != 200:
             raise error_for_status(response.status_code, response.content)
         try:
-            data = response.json()
-        except ValueError as exc:
+            data = orjson.loads(response.content)
+        except orjson.JSONDecodeError as exc:
             raise UpstreamError("The engine answered with invalid JSON.") from exc
         if not isinstance(data, dict):
             raise UpstreamError("The engine answered with an unexpected JSON shape.")
@@ -167,7 +170,8 @@ class Upstream:
 
     async def open_chat_stream(self, body: dict[str, Any]) -> httpx.Response:
         """Send a streaming request; the caller owns (and must close) the response."""
-        request = self.client.build_request("POST", CHAT_PATH, json=body)
+        request = self.client.build_request("POST", CHAT_PATH, content=orjson.dumps(body),
+                                            headers=_JSON)
         try:
             response = await self.client.send(request, stream=True)
         except httpx.HTTPError as exc:

@@ -12,9 +12,9 @@ messages whose assistant messages carry the loss. Four kinds, mixed by `MIX`:
   message, answered with one reasoning line and `\\boxed{1|-1|0}`.
 - `hint`: the judge's hint prompt (hint_v1.txt), answered `[HINT] ... [/HINT]` or `[NO_HINT]`.
 
-trainer/ must not import judge/, so the judge templates are read by path and the blocks are
-rendered here exactly as judge/prompts.py renders them (/work/notes/judge-format.md;
-tests/trainer/test_world.py compares the two). Only held-in questions and corpus
+The trainer package never depends on the judge package, so the judge templates are read by
+path and the blocks are rendered here exactly as judge/prompts.py renders them
+(/work/notes/judge-format.md; tests/trainer/test_world.py compares the two). Only held-in questions and corpus
 phrasings are used: held-out questions and FRESH_* phrasings never appear.
 """
 

@@ -35,6 +35,8 @@ from typing import Any
 from trainer.world import EVAL_PREFERENCES, World
 
 METHODS = ("combine", "rl", "opd", "none")
+# Label of the rows measured on an already running stack (`--proxy-url`): whatever it trains.
+CONNECTED = "connected"
 
 
 @dataclass
@@ -54,6 +56,9 @@ class EvalConfig:
     batch_size: int = 16
     round_timeout_s: float = 900.0
     engine_threads: int = 1
+    # Connect to a running stack instead of starting one per method.
+    proxy_url: str | None = None
+    engine_url: str | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
 
 
@@ -126,10 +131,25 @@ async def _serving_version(engine_url: str) -> str:
     return "0" if version in (None, "default") else str(version)
 
 
+def run_connected(config: EvalConfig, on_round: Any) -> list[dict[str, Any]]:
+    """Measure an already running stack (its own trainer and method) over `--rounds`."""
+    from proxy.settings import load_settings
+
+    settings = load_settings()
+    if settings.database.url is None or not (config.proxy_url and config.engine_url):
+        from trainer.evalstack import StackError
+
+        raise StackError("--proxy-url needs CLAWRL_DATABASE__URL (to create the users' keys)")
+    db_url = settings.database.url.get_secret_value()
+    proxy_url = config.proxy_url.rstrip("/").removesuffix("/v1")
+    return asyncio.run(run_rounds(config, CONNECTED, proxy_url, db_url,
+                                  config.engine_url.rstrip("/"), on_round))
+
+
 def print_table(rows: list[dict[str, Any]]) -> str:
     """Satisfaction (and task accuracy) per round, method and user, as plain text."""
     users = sorted({(r["user"], r["pref"]) for r in rows})
-    methods = [m for m in METHODS if any(r["method"] == m for r in rows)]
+    methods = [m for m in (*METHODS, CONNECTED) if any(r["method"] == m for r in rows)]
     cols = [(m, u) for m in methods for u, _ in users]
     lines = ["round  " + "  ".join(f"{m}/{u.split('-', 2)[2]:<10}"[:22].ljust(22)
                                    for m, u in cols)]
@@ -152,7 +172,7 @@ def plot_curve(rows: list[dict[str, Any]], path: Path) -> None:
     prefs = sorted({r["pref"] for r in rows})
     fig, axes = plt.subplots(1, len(prefs), figsize=(5 * len(prefs), 4), squeeze=False)
     for ax, pref in zip(axes[0], prefs, strict=True):
-        for method in METHODS:
+        for method in (*METHODS, CONNECTED):
             pts: dict[int, list[float]] = {}
             for r in rows:
                 if r["method"] == method and r["pref"] == pref:
@@ -190,6 +210,9 @@ def parse_args(argv: list[str]) -> EvalConfig:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--round-timeout", type=float, default=900.0)
     p.add_argument("--out", type=Path, default=None, help="output dir (default runs/eval-TIME)")
+    p.add_argument("--proxy-url", help="connect to a running stack's proxy (with --engine-url "
+                   "and CLAWRL_DATABASE__URL) instead of starting one per method")
+    p.add_argument("--engine-url", help="the running stack's engine (to read weight versions)")
     args = p.parse_args(argv)
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
     prefs = tuple(x.strip() for x in args.prefs.split(",") if x.strip())
@@ -197,6 +220,8 @@ def parse_args(argv: list[str]) -> EvalConfig:
                                                      if x not in EVAL_PREFERENCES]
     if bad or not methods or not prefs:
         raise SystemExit(f"clawrl eval: unknown or missing method/preference: {bad or 'none'}")
+    if bool(args.proxy_url) != bool(args.engine_url):
+        raise SystemExit("clawrl eval: --proxy-url and --engine-url go together")
     if min(args.rounds, args.sessions, args.probes, args.users_per_pref, args.batch_size) < 1:
         raise SystemExit("clawrl eval: --rounds, --sessions, --probes, --users-per-pref and "
                          "--batch-size must be >= 1")
@@ -207,7 +232,8 @@ def parse_args(argv: list[str]) -> EvalConfig:
                       users_per_pref=args.users_per_pref, rounds=args.rounds,
                       sessions=args.sessions, probes=args.probes, seed=args.seed,
                       lr=args.lr, kl_coef=args.kl_coef, batch_size=args.batch_size,
-                      round_timeout_s=args.round_timeout,
+                      round_timeout_s=args.round_timeout, proxy_url=args.proxy_url,
+                      engine_url=args.engine_url,
                       extra_env={"SMALL": "1"} if args.small else {})
 
 
@@ -232,14 +258,17 @@ def main(argv: list[str]) -> int:
     try:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(config.methods) * (config.rounds + 1), unit="probe", file=sys.stderr)
+        runs = 1 if config.proxy_url else len(config.methods)
+        bar = tqdm(total=runs * (config.rounds + 1), unit="probe", file=sys.stderr)
 
         def on_round(method: str, rnd: int, new: list[dict[str, Any]]) -> None:
             bar.set_postfix_str(f"{method} r{rnd} " + " ".join(
                 f"{r['pref']}={r['satisfied']:.2f}" for r in new))
             bar.update(1)
 
-        for method in config.methods:
+        if config.proxy_url and config.engine_url:
+            rows += run_connected(config, on_round)
+        for method in () if config.proxy_url else config.methods:
             rows += run_method(config, method, on_round)
             _write(config, rows, started)
         bar.close()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import random
 import re
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Literal
 
 Case = Literal["normal", "lower", "upper"]
@@ -114,20 +115,15 @@ class World:
 
     def find(self, text: str) -> Question | None:
         """The question whose text is exactly `text` (stripped), if any."""
-        return _by_text(self).get(text.strip())
+        return self._by_text.get(text.strip())
+
+    @cached_property
+    def _by_text(self) -> dict[str, Question]:
+        return {q.text: q for q in self.train + self.heldout}
 
 
 def _key(q: Question) -> tuple[str, str, int]:
     return (q.name, q.attr, q.phrasing)
-
-
-_TEXT_INDEX: dict[int, dict[str, Question]] = {}
-
-
-def _by_text(world: World) -> dict[str, Question]:
-    if id(world) not in _TEXT_INDEX:
-        _TEXT_INDEX[id(world)] = {q.text: q for q in world.train + world.heldout}
-    return _TEXT_INDEX[id(world)]
 
 
 def heldout_prompts(seed: int = 0) -> list[str]:

@@ -98,7 +98,7 @@ async def test_policy_engine_judges_a_turn_with_real_votes(db: Engine, db_url: s
     [j] = rows(db, "SELECT * FROM judgments")
     assert j.turn_id == turn and len(j.votes) == 3 and len(j.hint_votes) == 3
     assert all(isinstance(v["text"], str) for v in j.votes)
-    assert j.judge_model and j.judge_model.endswith("@default")  # the policy's version
+    assert j.judge_model == "policy@default"  # the policy and its weight version
     # Random weights: whatever they said, a reward only ever comes from a parsed majority.
     scores = [v["score"] for v in j.votes]
     assert j.reward is None or scores.count(j.reward) >= 2 or scores.count(None) == 2

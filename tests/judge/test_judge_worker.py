@@ -332,3 +332,41 @@ async def test_judge_prompt_over_the_context_is_a_skip_not_a_failure(db: Engine,
     assert j.turn_id == turn and j.reward is None and j.votes == []
     assert j.reason.startswith("skipped: judge prompt too long")
     assert rows(db, "SELECT * FROM samples") == []
+
+
+async def test_unknown_prompt_version_or_missing_next_state_fail_at_once(
+        db: Engine, db_url: str) -> None:
+    user = add_user(db)
+    add_turn(db, user, job=False)
+    add_turn(db, user, next_state=None)
+    with db.begin() as conn:
+        conn.execute(text("INSERT INTO jobs (kind, turn_id, payload) SELECT 'judge', min(id), "
+                          "'{\"prompt_version\": \"v404\"}' FROM turns"))
+    judge = ScriptedJudge(prm=["\\boxed{1}"], hint=["[NO_HINT]"])
+    await run_until(db_url, settings_for(db_url), judge,
+                    lambda: job_status(db) == ["failed", "failed"])
+    errors = sorted(j.last_error for j in jobs(db))
+    assert "'v404'" in errors[0] and "has no next state" in errors[1]
+    assert all(j.attempts == 1 for j in jobs(db)) and judge.requests == []
+
+
+async def test_two_workers_judge_every_turn_exactly_once(db: Engine, db_url: str) -> None:
+    user = add_user(db)
+    turns = [add_turn(db, user) for _ in range(12)]
+    judge = ScriptedJudge(prm=["\\boxed{1}"], hint=["[NO_HINT]"])
+    settings = settings_for(db_url, concurrency=3)
+    dbs = [create_async(db_url), create_async(db_url)]
+    stop = asyncio.Event()
+    tasks = [asyncio.create_task(Worker(settings, d, db_url, name=f"w{i}",
+                                        transport=httpx.MockTransport(judge)).run(stop))
+             for i, d in enumerate(dbs)]
+    try:
+        await wait_for(lambda: job_status(db) == ["done"] * 12)
+    finally:
+        stop.set()
+        await asyncio.gather(*tasks)
+        for d in dbs:
+            await d.dispose()
+    judged = sorted(r.turn_id for r in rows(db, "SELECT turn_id FROM judgments"))
+    assert judged == turns
+    assert {j.attempts for j in jobs(db)} == {1}

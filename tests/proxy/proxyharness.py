@@ -135,18 +135,28 @@ class TcpRelay:
         self._writers.difference_update((writer, up_writer))
 
 
+@dataclass
+class SilentServer:
+    url: str
+    closed: asyncio.Event  # set when a client closes its connection
+
+
 @contextlib.asynccontextmanager
-async def silent_server() -> AsyncIterator[str]:
+async def silent_server() -> AsyncIterator[SilentServer]:
     """A real HTTP endpoint that accepts requests and never answers (an engine that hangs)."""
+    closed = asyncio.Event()
+
     async def hang(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            await reader.read()  # until the client gives up and closes
+            while await reader.read(65536):  # until the client gives up and closes
+                pass
+            closed.set()
         finally:
             writer.close()
 
     server = await asyncio.start_server(hang, "127.0.0.1", 0)
     try:
-        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        yield SilentServer(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", closed)
     finally:
         server.close()
 

@@ -85,8 +85,8 @@ async def test_engine_down_is_502_and_logged(proxy_factory: ProxyFactory, db_url
 
 
 async def test_engine_timeout_is_504(proxy_factory: ProxyFactory, db_url: str) -> None:
-    async with silent_server() as url:
-        proxy = await proxy_factory(url, read_timeout_s=0.5)
+    async with silent_server() as engine:
+        proxy = await proxy_factory(engine.url, read_timeout_s=0.5)
         _, key = create_user(db_url, "u")
         async with proxy.client(key) as client:
             for stream in (False, True):
@@ -157,3 +157,17 @@ async def test_client_disconnect_closes_upstream(proxy_factory: ProxyFactory,
                                        "SELECT status, response_message, state FROM turns")
     assert status == "client_disconnected" and message["content"] == "Hel"
     assert state == "closed"  # never continued, never trained
+
+
+async def test_client_disconnect_before_reply_closes_upstream(proxy_factory: ProxyFactory,
+                                                              db_url: str) -> None:
+    async with silent_server() as engine:
+        proxy = await proxy_factory(engine.url)
+        _, key = create_user(db_url, "u")
+        async with httpx.AsyncClient(base_url=proxy.url, timeout=0.5) as http:
+            with pytest.raises(httpx.ReadTimeout):  # the client gives up and hangs up
+                await http.post("/v1/chat/completions", json={"messages": MESSAGES},
+                                headers={"Authorization": f"Bearer {key}"})
+        await asyncio.wait_for(engine.closed.wait(), 10)  # the engine request was closed
+    await proxy.settle()
+    assert query(db_url, "SELECT status FROM turns") == [("client_disconnected",)]

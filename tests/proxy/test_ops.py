@@ -3,13 +3,14 @@ and how streamed tool-call deltas are merged for the turn log."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
 import httpx
 from proxyharness import ProxyFactory, chunk, closed_port_url
 
-from proxy.sse import StreamCollector, client_chunk
+from proxy.sse import StreamCollector, client_chunk, iter_data
 
 
 async def test_readyz_busy_engine_is_ready_down_is_not(
@@ -75,6 +76,20 @@ def test_client_chunks_drop_proxy_only_fields() -> None:
     assert client_chunk({"choices": [], "sglext": {"input_ids": [1]}},
                         wants_logprobs=False) is None
     out = client_chunk(chunk("a", logprob=-1.0), wants_logprobs=False)
-    assert out is not None and b'"logprobs": null' in out
+    assert out is not None and out.startswith(b"data: ") and out.endswith(b"\n\n")
+    assert json.loads(out[6:])["choices"][0]["logprobs"] is None
     kept = client_chunk(chunk("a", logprob=-1.0), wants_logprobs=True)
-    assert kept is not None and b'"logprob": -1.0' in kept
+    assert kept is not None
+    assert json.loads(kept[6:])["choices"][0]["logprobs"]["content"][0]["logprob"] == -1.0
+
+
+async def test_sse_parsing_groups_by_read_and_handles_framing() -> None:
+    class Pieces(httpx.AsyncByteStream):
+        async def __aiter__(self):  # type: ignore[no-untyped-def,override]
+            yield b'data: {"a": 1}\n\ndata: {"b": 2}\n\nda'  # two events and a partial one
+            yield b'ta: {"c": 3}\r\n\r\n: comment\n\n'  # CRLF framing, a comment
+            yield b'event: sglext_ids\ndata: {"d":\ndata: 4}\n\ndata: [DONE]\n\n'
+
+    response = httpx.Response(200, stream=Pieces())
+    groups = [group async for group in iter_data(response)]
+    assert groups == [[b'{"a": 1}', b'{"b": 2}'], [b'{"c": 3}'], [b'{"d":\n4}', b"[DONE]"]]

@@ -105,7 +105,8 @@ def test_up_exit_after_ready_on_embedded_postgres(state_dir: Path,
 
 def test_up_serves_and_stops_on_sigterm(state_dir: Path, tiny_model_dir: Path,
                                         db_url: str) -> None:
-    """The printed key works through the printed base URL; SIGTERM stops every child."""
+    """The printed key works through the printed base URL; a dead worker is restarted;
+    SIGTERM stops every child."""
     port = free_port()
     environ = {k: v for k, v in os.environ.items() if not k.startswith("CLAWRL_")}
     environ.update(CLAWRL_DATABASE__URL=db_url, OMP_NUM_THREADS="1")
@@ -125,6 +126,14 @@ def test_up_serves_and_stops_on_sigterm(state_dir: Path, tiny_model_dir: Path,
         reply = client.chat.completions.create(
             model="default", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
         assert reply.choices[0].message.role == "assistant"
+        # A worker that dies is restarted; the stack keeps serving.
+        judge = next(c for c in children if "judge" in c.cmdline())
+        judge.kill()
+        read_until(up, "the judge exited with code -9", 30)
+        read_until(up, "restarting it (1/5)", 5)
+        time.sleep(6)  # past the restart delay: the new judge is a child too
+        children = psutil.Process(up.pid).children(recursive=True)
+        assert any("judge" in c.cmdline() for c in children)
         up.send_signal(signal.SIGTERM)
         rest, _ = up.communicate(timeout=120)
         assert up.returncode == 0, out + rest

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 from sqlalchemy import select
 from sqlalchemy.engine import Engine
 
@@ -24,7 +25,8 @@ PROMPT = [1, 30, 31, 32, 33, 2, 1, 40]
 NUM_SAMPLES = 24
 # Seconds after the trainer has resumed (model loaded) before SIGKILL: spread over claim,
 # forward/backward, export, commit and publish of the first steps.
-KILL_DELAYS = [0.05, 0.25, 0.45, 0.7, 1.0, 1.4]
+QUICK_DELAYS = [0.3, 0.9]
+FULL_DELAYS = [0.05, 0.25, 0.45, 0.7, 1.0, 1.4]
 
 
 def start_trainer(tmp_path: Path, db_url: str, engine_url: str, model: Path,
@@ -61,8 +63,12 @@ def trained_counts(db: Engine) -> tuple[dict[int, int | str | None], dict[int, A
     return samples, steps
 
 
+@pytest.mark.parametrize("delays", [
+    pytest.param(QUICK_DELAYS, id="2-kills"),
+    pytest.param(FULL_DELAYS, id="6-kills", marks=pytest.mark.slow),
+])
 def test_kill_minus_nine_anywhere_loses_nothing_and_trains_nothing_twice(
-        tmp_path: Path, db_url: str, db: Engine, add_sample: SampleFactory,
+        delays: list[float], tmp_path: Path, db_url: str, db: Engine, add_sample: SampleFactory,
         tiny_model_dir: Path, engine_factory: Callable[..., str]) -> None:
     url = engine_factory(tiny_model_dir)
     for i in range(NUM_SAMPLES):
@@ -76,7 +82,7 @@ def test_kill_minus_nine_anywhere_loses_nothing_and_trains_nothing_twice(
                    weight_version=r["meta_info"]["weight_version"])
     log = tmp_path / "trainer.log"
 
-    for delay in KILL_DELAYS:
+    for delay in delays:
         size = log.stat().st_size if log.exists() else 0
         proc = start_trainer(tmp_path, db_url, url, tiny_model_dir, log)
         wait_for(lambda size=size: "resuming at" in log.read_bytes()[size:].decode(  # type: ignore[misc]

@@ -62,6 +62,18 @@ async def test_violation_gets_a_correction_and_the_session_closes_with_a_next_st
     await user.client.close()
 
 
+async def test_a_user_whose_correction_is_ignored_corrects_again_and_leaves() -> None:
+    script = ScriptedAssistant(["Ada lives in Porto.", "ADA LIVES IN PORTO."])
+    user = _user(script, "lowercase")
+    await user.chat_session(World.build(0), questions=2, max_redos=1)
+    assert len(script.requests) == 3
+    headers, closing = script.requests[-1]
+    assert headers["x-session-done"] == "true"
+    assert closing["messages"][-1]["content"] in CORRECTIONS["lowercase"] + FRESH_CORRECTIONS[
+        "lowercase"]
+    await user.client.close()
+
+
 async def test_probe_sends_side_turns_and_scores_first_replies() -> None:
     world = World.build(0)
     prompts = [q.text for q in world.heldout[:2]]

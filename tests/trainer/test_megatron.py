@@ -105,7 +105,7 @@ def test_megatron_logits_equal_hugging_face(megatron: MegatronBackend, tiny_mode
     ids = torch.randint(0, vocab(tiny_model_dir), (2, 24), generator=torch.Generator().manual_seed(1))
     pos = torch.arange(24).expand(2, -1)
     with torch.no_grad(), compat.megatron_context():
-        ours = megatron.model.module(ids, pos, None)
+        ours = megatron.model.module(ids.to(megatron.device), pos.to(megatron.device), None).cpu()
     hf = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
     with torch.no_grad():
         theirs = hf(input_ids=ids).logits
@@ -132,7 +132,7 @@ def test_training_steps_match_the_torch_backend(
     trained = ref._model().state_dict()
     base = base_weights(tiny_model_dir)
     for name, tensor in exported.items():
-        assert (tensor - trained[name]).abs().max().item() <= 1e-4, name
+        assert (tensor - trained[name].cpu()).abs().max().item() <= 1e-4, name
         assert not torch.equal(tensor, base[name]), f"{name} did not train"
 
 

@@ -97,3 +97,17 @@ def test_lr_schedule_warms_up_and_anneals_by_steps_or_time() -> None:
 def test_cli_rejects_bad_arguments(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     assert pretrain.build_main([str(tmp_path / "m"), "--small", "--steps", "0"]) == 2
     assert "--steps must be >= 1" in capsys.readouterr().err
+
+
+def test_training_is_reproducible_from_a_seed() -> None:
+    torch.set_num_threads(1)
+    world = World.build(0)
+    config = replace(pretrain.SMALL, steps=3, batch_size=4, tokenizer_examples=300)
+    tok = pretrain.train_world_tokenizer(world, config)
+    assert tok.to_str() == pretrain.train_world_tokenizer(world, config).to_str()
+    first, _ = pretrain.train_model(world, tok, config, None, lambda _: None)
+    second, _ = pretrain.train_model(world, tok, config, None, lambda _: None)
+    other, _ = pretrain.train_model(world, tok, replace(config, seed=1), None, lambda _: None)
+    a, b, c = (m.state_dict() for m in (first, second, other))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not all(torch.equal(a[k], c[k]) for k in a)

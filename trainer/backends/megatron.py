@@ -29,7 +29,6 @@ import atexit
 import math
 import sys
 import time
-from dataclasses import fields, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -40,6 +39,7 @@ from torch import Tensor
 
 from trainer.backends import megatron_compat as compat
 from trainer.backends.base import StepStats, micro_batch_loss, signal_mask
+from trainer.backends.megatron_batches import replica_micro_batches, token_logprobs
 from trainer.backends.megatron_checkpoint import (
     HFWeights,
     gather_hf_state,
@@ -63,47 +63,6 @@ STATS = ("loss", "pg", "kl", "ent", "ratio", "clip", "tokens")
 def layout(cfg: TrainerSettings) -> tuple[int, int]:
     """(tp, pp) from the settings (1, 1 when the settings predate these fields)."""
     return int(getattr(cfg, "tp", 1)), int(getattr(cfg, "pp", 1))
-
-
-def _take(batch: Batch, lo: int, hi: int) -> Batch:
-    """Rows [lo, hi) of a batch (every per-sample field sliced)."""
-    return replace(batch, **{f.name: getattr(batch, f.name)[lo:hi] for f in fields(batch)})
-
-
-def _pad(micro: Batch, rows: int, length: int) -> Batch:
-    """Pad a micro batch to [rows, length] with masked-out rows/columns (pipeline shapes)."""
-    b, seq = micro.input_ids.shape
-    extra_rows, extra_cols = rows - b, length - seq
-
-    def grow(t: Tensor, cols: int) -> Tensor:
-        t = torch.nn.functional.pad(t, (0, cols)) if t.dim() == 2 else t
-        return torch.cat([t, torch.zeros((extra_rows, *t.shape[1:]), dtype=t.dtype)])
-
-    return replace(
-        micro,
-        sample_ids=list(micro.sample_ids) + [-1] * extra_rows,
-        input_ids=grow(micro.input_ids, extra_cols),
-        attention_mask=grow(micro.attention_mask, extra_cols),
-        loss_mask=grow(micro.loss_mask, extra_cols),
-        rollout_logp=grow(micro.rollout_logp, extra_cols),
-        teacher_logp=grow(micro.teacher_logp, extra_cols),
-        reward=grow(micro.reward, 0),
-        has_reward=grow(micro.has_reward, 0),
-        has_teacher=grow(micro.has_teacher, 0),
-        staleness=list(micro.staleness) + [0] * extra_rows,
-    )
-
-
-def token_logprobs(logits: Tensor, input_ids: Tensor) -> Tensor:
-    """`[b, L, V/tp]` vocab-parallel logits → `[b, L-1]` logprobs of the next tokens.
-
-    Same grid as trainer.loss.gather_logprobs; −CE is logp. The CE kernel works in place,
-    hence the clone.
-    """
-    from megatron.core import tensor_parallel
-
-    shifted = logits[:, :-1].float().clone()
-    return -tensor_parallel.vocab_parallel_cross_entropy(shifted, input_ids[:, 1:].contiguous())
 
 
 class MegatronBackend:
@@ -247,6 +206,9 @@ class MegatronBackend:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from transformers import AutoConfig
 
+        if not (model_dir / "config.json").is_file():
+            raise FileNotFoundError(f"{model_dir} is not a Hugging Face model folder "
+                                    "(no config.json)")
         self.hf = AutoConfig.from_pretrained(str(model_dir))
         check_supported(self.hf, self.tp, self.pp)  # before any weight is read
         self._limits = ModelLimits(vocab_size=int(self.hf.vocab_size),
@@ -267,29 +229,21 @@ class MegatronBackend:
             OptimizerConfig(
                 optimizer="adam", lr=self.cfg.lr, weight_decay=self.cfg.weight_decay,
                 adam_beta1=beta1, adam_beta2=beta2, clip_grad=self.cfg.grad_clip,
-                use_distributed_optimizer=True, bf16=self.fused, params_dtype=self.tconfig.params_dtype,
+                use_distributed_optimizer=True, bf16=self.fused,
+                params_dtype=self.tconfig.params_dtype,
             ),
             [self.model],
         )
 
     # -- forward passes ----------------------------------------------------------------------
     def _micro_batches(self, batch: Batch) -> list[Batch]:
-        """This data-parallel replica's micro batches (contiguous share of the samples)."""
+        """This data-parallel replica's micro batches, on this rank's device."""
         from megatron.core import parallel_state as ps
 
-        dp, r = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-        lo, hi = r * batch.size // dp, (r + 1) * batch.size // dp
-        if hi > lo:
-            micros = _take(batch, lo, hi).micro_batches(self.cfg.micro_batch_size)
-        else:
-            # More replicas than samples: a fully masked row keeps the collectives in step.
-            dummy = _take(batch, 0, 1)
-            micros = [replace(dummy, loss_mask=torch.zeros_like(dummy.loss_mask),
-                              has_reward=torch.zeros_like(dummy.has_reward),
-                              has_teacher=torch.zeros_like(dummy.has_teacher))]
-        if self.pp > 1:  # stages exchange fixed-shape activations
-            length = batch.input_ids.shape[1]
-            micros = [_pad(m, self.cfg.micro_batch_size, length) for m in micros]
+        micros = replica_micro_batches(
+            batch, ps.get_data_parallel_world_size(), ps.get_data_parallel_rank(),
+            self.cfg.micro_batch_size, fixed_shape=self.pp > 1,
+        )
         return [m.to(self.device) for m in micros]
 
     def _run(self, model: Any, micros: list[Any], loss_fn: Any, forward_only: bool) -> list[Any]:
@@ -363,9 +317,8 @@ class MegatronBackend:
              terms.ratio_sum, terms.clipped_low + terms.clipped_high, tokens],
             dtype=torch.float64,
         )
-        return terms.loss, torch.tensor(tokens, dtype=torch.int), {"stats": stats,
-                                                                   "lr_max": torch.tensor(
-                                                                       terms.abs_log_ratio_max)}
+        logs = {"stats": stats, "lr_max": torch.tensor(terms.abs_log_ratio_max)}
+        return terms.loss, torch.tensor(tokens, dtype=torch.int), logs
 
     def _train_step(self, batch: Batch) -> StepStats:
         from megatron.core import parallel_state as ps

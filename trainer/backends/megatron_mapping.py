@@ -26,6 +26,7 @@ the exception: each rank holds `[gate_r; up_r]`, so gate and up are split separa
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 import torch
@@ -139,14 +140,21 @@ def transformer_config(hf: Any, tp: int = 1, pp: int = 1, fused: bool = False) -
         bf16=fused,
         use_cpu_initialization=not fused,
         perform_initialization=False,  # every weight is overwritten by the HF checkpoint
-        # Fused kernels need CUDA (and some need Apex/TE); the CPU path uses torch ops.
+        # Fused paths need CUDA. SwiGLU and bias-dropout-add fusions are megatron's own jit
+        # kernels; the fused causal softmax needs megatron's compiled extension; RoPE fusion,
+        # persistent layer norm and fused wgrad accumulation need Apex / Transformer Engine,
+        # which the local spec does not use.
         bias_activation_fusion=fused,
-        masked_softmax_fusion=fused,
-        persist_layer_norm=fused,
         bias_dropout_fusion=fused,
+        masked_softmax_fusion=fused and _has_module("scaled_upper_triang_masked_softmax_cuda"),
+        persist_layer_norm=False,
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
     )
+
+
+def _has_module(name: str) -> bool:
+    return importlib.util.find_spec(name) is not None
 
 
 def build_model(hf: Any, config: Any) -> Any:

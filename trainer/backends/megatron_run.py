@@ -73,6 +73,8 @@ def check_main(argv: list[str]) -> int:
     if int(os.environ.get("RANK", "0")) != 0:
         MegatronBackend(None).follow()
         return 0
+    if not (args.model / "config.json").is_file():
+        raise FileNotFoundError(f"{args.model} is not a Hugging Face model folder (no config.json)")
     if args.batch:
         saved = torch.load(args.batch, weights_only=False)
         batch, settings = saved["batch"], dict(saved.get("settings", {}))
@@ -92,7 +94,13 @@ def check_main(argv: list[str]) -> int:
         if args.load_state:
             backend.load_state(args.load_state)
         result["logprobs"] = backend.compute_logprobs(batch).tolist()
-        result["steps"] = [vars(backend.train_step(batch)) for _ in range(args.steps)]
+        result["steps"] = []
+        tokens = int(batch.attention_mask.sum())
+        for i in range(args.steps):
+            stats = backend.train_step(batch)
+            result["steps"].append(vars(stats))
+            print(f"step {i + 1}: {stats.status} loss {stats.loss} grad_norm {stats.grad_norm} "
+                  f"{tokens / stats.seconds:,.0f} tokens/s", flush=True)
         if args.export:
             started = time.perf_counter()
             backend.export(args.export)
@@ -117,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return _dispatch(sys.argv[1:] if argv is None else argv)
-    except (UnsupportedModelError, CheckpointError, ValueError) as exc:
+    except (UnsupportedModelError, CheckpointError, ValueError, OSError) as exc:
         rank = os.environ.get("RANK", "0")
         print(f"megatron_run (rank {rank}): {exc}", file=sys.stderr, flush=True)
         return 1

@@ -72,6 +72,7 @@ class RWLock:
             await self._wait(lambda: not self._writing and self._readers == 0)
         finally:
             self._writers_waiting -= 1
+            self._wake()  # readers held back by this writer re-check
         self._writing = True
         try:
             yield
@@ -115,7 +116,13 @@ class Engine:
         diff = model.generation_config.to_diff_dict()
         self.generation_defaults = {k: diff[k] for k in ("temperature", "top_p", "top_k")
                                     if diff.get(k) is not None}
-        self.scheduler = Scheduler(model, eos_ids=self.eos_ids, decode=self.decode,
+        # The scheduler thread decodes (stop strings) with its own Rust tokenizer instance, so
+        # it never shares one with the event loop thread.
+        from tokenizers import Tokenizer
+
+        own = Tokenizer.from_str(self.tokenizer.backend_tokenizer.to_str())
+        self.scheduler = Scheduler(model, eos_ids=self.eos_ids,
+                                   decode=lambda ids: own.decode(ids, skip_special_tokens=True),
                                    weight_version=weight_version, max_batch=max_batch)
         self.lock = RWLock()
         self._resumed = asyncio.Event()

@@ -229,10 +229,11 @@ class Scheduler:
         if not resumed:
             if seq.return_logprob and seq.logprob_start_len >= 0:
                 self._input_logprobs(seq, logits)
-            if seq.params.max_new_tokens == 0:
+            if seq.params.max_new_tokens == 0:  # scoring only; record which weights scored
+                seq.weight_spans = [{"version": self.weight_version, "start": 0, "end": 0}]
                 self._finish(seq, {"type": "length", "length": 0})
                 return
-            self._append(seq, logits[-1])
+            self._append(seq, logits[-1], F.log_softmax(logits[-1], dim=-1))
             if seq.finish is not None:
                 return
         self._merge([(k, v) for k, v, *_ in out.cache], seq)
@@ -278,9 +279,10 @@ class Scheduler:
         self._cache = [(k, v) for k, v, *_ in out.cache]
         self._mask = mask
         logits = out.logits[:, -1].float()  # [B, V]
+        logp = F.log_softmax(logits, dim=-1)
         for row, seq in enumerate(seqs):
             seq.n_cached += 1
-            self._append(seq, logits[row])
+            self._append(seq, logits[row], logp[row])
         keep = [i for i, s in enumerate(seqs) if s.finish is None]
         if len(keep) < len(seqs):
             self._keep_rows(keep)
@@ -298,9 +300,8 @@ class Scheduler:
         self._cache = [(k[index, :, first:], v[index, :, first:]) for k, v in self._cache]
         self._running = [self._running[i] for i in rows]
 
-    def _append(self, seq: Sequence, logits: torch.Tensor) -> None:
-        """Sample the next token from `logits` [V], record it with its raw logprob, check stops."""
-        logp = F.log_softmax(logits, dim=-1)
+    def _append(self, seq: Sequence, logits: torch.Tensor, logp: torch.Tensor) -> None:
+        """Sample from `logits` [V]; record the token with its raw logprob `logp` [V]; stop?"""
         token = _sample(logits, seq.params, seq.generator or self._rng)
         if not seq.weight_spans or seq.weight_spans[-1]["version"] != self.weight_version:
             n = len(seq.output_ids)

@@ -175,7 +175,7 @@ def create_app(engine: Engine, *, api_key: str | None = None) -> FastAPI:
             return Response(status_code=503)
         probe = Sequence(rid=f"HEALTH_CHECK_{time.time_ns()}",
                          input_ids=[next(iter(engine.eos_ids), 0)],
-                         params=dataclasses.replace(sampling_from_dict({"max_new_tokens": 1})))
+                         params=sampling_from_dict({"max_new_tokens": 1}))
         try:
             await asyncio.wait_for(engine.run(probe), timeout=20)
         except TimeoutError:

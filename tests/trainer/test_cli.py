@@ -1,0 +1,56 @@
+"""`clawrl train` / `clawrl versions` on bad input: one readable line, non-zero exit."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from sqlalchemy import insert
+from sqlalchemy.engine import Engine
+
+from proxy.db import PolicyVersion
+
+
+def clawrl(*args: str, db_url: str, state: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "CLAWRL_DATABASE__URL": db_url, "CLAWRL_STATE_DIR": str(state),
+           "CLAWRL_ENGINE__URL": "http://127.0.0.1:9", "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "proxy.cli", *args], capture_output=True,
+                          text=True, env=env, timeout=300)
+
+
+def test_train_without_a_model_says_how_to_get_one(db_url: str, tmp_path: Path) -> None:
+    out = clawrl("train", "--model", str(tmp_path / "nope"), db_url=db_url, state=tmp_path)
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines() == [
+        f"clawrl train: no model at {tmp_path / 'nope'} (build it with `clawrl tinyworld "
+        "build` or pass --model DIR)"]
+
+
+def test_versions_commands_refuse_bad_requests(db_url: str, db: Engine, tmp_path: Path) -> None:
+    out = clawrl("versions", "rollback", "7", db_url=db_url, state=tmp_path)
+    assert out.returncode == 1
+    assert out.stderr.strip() == "clawrl versions: no version 7 (see `clawrl versions list`)"
+
+    # A version whose folder was damaged: refused before the engine is asked.
+    folder = tmp_path / "weights" / "v000003"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text("{}")
+    with db.begin() as conn:
+        conn.execute(insert(PolicyVersion.__table__).values(
+            version=3, step=3, path=str(folder), status="published"))
+    out = clawrl("versions", "rollback", "3", db_url=db_url, state=tmp_path)
+    assert out.returncode == 1
+    assert out.stderr.strip().startswith("clawrl versions: rollback to v3 refused, engine "
+                                         "unchanged:")
+    assert "no completion marker" in out.stderr
+
+    out = clawrl("versions", "prune", "--keep", "0", db_url=db_url, state=tmp_path)
+    assert out.returncode == 1 and "--keep must be at least 1" in out.stderr
+
+    out = clawrl("versions", "list", db_url=db_url, state=tmp_path)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[1].split()[:4] == ["3", "3", "published", "0"]
+    assert "bad (" in lines[1] and "engine unreachable" in lines[-1]
