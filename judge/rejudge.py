@@ -85,10 +85,15 @@ def main(argv: list[str]) -> int:
         print(f"clawrl judge rejudge: unknown prompt version {version!r}: {exc}",
               file=sys.stderr)
         return 2
-    engine = create_engine(resolve_url(settings))
     try:
-        n = enqueue_rejudge(engine, since, version, until)
-    finally:
-        engine.dispose()
+        engine = create_engine(resolve_url(settings))
+        try:
+            n = enqueue_rejudge(engine, since, version, until)
+        finally:
+            engine.dispose()
+    except Exception as exc:  # bad URL, server down, not migrated: one line, exit 1
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        print(f"clawrl judge rejudge: cannot use the database: {first}", file=sys.stderr)
+        return 1
     print(f"enqueued {n} judge jobs (prompt version {version})")
     return 0

@@ -273,8 +273,9 @@ def main(argv: list[str]) -> int:
         from judge.rejudge import main as rejudge_main
 
         return rejudge_main(argv[1:])
-    p = argparse.ArgumentParser(prog="clawrl judge", description=__doc__.split("\n\n")[0]
-                                if __doc__ else None)
+    p = argparse.ArgumentParser(
+        prog="clawrl judge", description="Run a judge worker: claims judge jobs and runs them.",
+        epilog="Re-judge: clawrl judge rejudge --since ISO [--until ISO] [--prompt-version V]")
     p.add_argument("--concurrency", type=int, help="jobs in flight (CLAWRL_JUDGE__CONCURRENCY)")
     p.add_argument("--name", help="worker name stored in jobs.locked_by")
     args = p.parse_args(argv)
@@ -288,11 +289,19 @@ def main(argv: list[str]) -> int:
         return 2
     from proxy.dbcli import resolve_url
 
-    setup_logging()
     try:
         db_url = resolve_url(settings)
-    except Exception as exc:
-        print(f"clawrl judge: cannot open the database: {exc}", file=sys.stderr)
+        check_database(db_url)
+    except Exception as exc:  # bad URL, server down, not migrated: one line, exit 1
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(f"clawrl judge: cannot use the database: {first}", file=sys.stderr)
         return 1
+    setup_logging()
     asyncio.run(serve(settings, db_url, name=args.name, concurrency=args.concurrency))
     return 0
+
+
+def check_database(db_url: str) -> None:
+    """Fail fast at startup (later outages are waited out): reachable and migrated."""
+    with psycopg.connect(libpq_url(db_url), connect_timeout=5) as conn:
+        conn.execute("SELECT 1 FROM jobs LIMIT 0")

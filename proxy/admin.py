@@ -39,7 +39,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from proxy.auth import bearer_token, generate_key, hash_secret, parse_prefix
-from proxy.console import print_table, run_cli, run_readonly_sql
+from proxy.console import print_csv, print_table, run_cli, run_readonly_sql
 from proxy.db import ApiKey, Judgment, Sample, Turn, User, create_async
 from proxy.errors import BadRequest, ClawrlError, Forbidden, NotFound, Unauthorized
 
@@ -428,10 +428,14 @@ def sql_main(argv: list[str]) -> int:
     p.add_argument("query")
     p.add_argument("--timeout", type=float, default=60.0, help="statement timeout, seconds")
     p.add_argument("--max-width", type=int, default=80, help="cut cells wider than this (0: no)")
+    p.add_argument("--csv", action="store_true", help="print CSV (full cells) instead")
     args = p.parse_args(argv)
 
     def op(url: str) -> int:
         columns, rows = run_readonly_sql(url, args.query, timeout_s=args.timeout)
+        if args.csv:
+            print_csv(columns, rows)
+            return 0
         print_table(columns, rows, max_width=args.max_width)
         print(f"({len(rows)} row{'s' if len(rows) != 1 else ''})")
         return 0

@@ -44,6 +44,7 @@ import psycopg
 from sqlalchemy.engine import make_url
 
 from proxy import admin
+from proxy.bench_client import Connection
 from proxy.db import create_async, libpq_url
 from proxy.dbcli import start_embedded, stop_embedded, upgrade
 
@@ -105,32 +106,25 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-async def one_request(client: httpx.AsyncClient, url: str, headers: dict[str, str],
-                      stream: bool, path: str) -> Sample:
+async def one_request(conn: Connection, stream: bool, path: str) -> Sample:
     body: dict[str, Any] = {"model": "bench", "max_tokens": 256, "stream": stream,
                             "messages": [{"role": "user", "content": f"bench {uuid.uuid4()}"}]}
     if stream:
         body["stream_options"] = {"include_usage": True}
+    payload = json.dumps(body).encode()
     start = time.perf_counter()
     first: float | None = None
     error: str | None = None
     try:
-        if not stream:
-            r = await client.post(url, json=body, headers=headers)
-            if r.status_code != 200 or not r.json().get("choices"):
-                error = f"HTTP {r.status_code}"
-        else:
-            async with client.stream("POST", url, json=body, headers=headers) as r:
-                tail = b""
-                async for chunk in r.aiter_raw():
-                    if first is None:
-                        first = time.perf_counter()
-                    tail = (tail + chunk)[-256:]
-                if r.status_code != 200:
-                    error = f"HTTP {r.status_code}"
-                elif b'"error"' in tail or b"[DONE]" not in tail:
-                    error = "stream error event"
-    except httpx.HTTPError as exc:
+        reply = await asyncio.wait_for(conn.post(payload, keep=256 if stream else 0), 300)
+        first = reply.first_chunk_at if stream else None
+        if reply.status != 200:
+            error = f"HTTP {reply.status}"
+        elif not stream and b'"choices"' not in reply.body:
+            error = "no choices"
+        elif stream and (b'"error"' in reply.body or b"[DONE]" not in reply.body):
+            error = "stream error event"
+    except (OSError, asyncio.IncompleteReadError, ValueError, TimeoutError) as exc:
         error = type(exc).__name__
     end = time.perf_counter()
     return Sample(path, (end - start) * 1e3, None if first is None else (first - start) * 1e3,
@@ -139,19 +133,22 @@ async def one_request(client: httpx.AsyncClient, url: str, headers: dict[str, st
 
 async def run_phase(targets: dict[str, tuple[str, dict[str, str]]], clients: int,
                     per_client: int, stream: bool) -> list[Sample]:
-    """`clients` closed-loop workers, each alternating direct/proxy `per_client` times."""
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=120.0, limits=limits) as client:
-        async def worker(i: int) -> list[Sample]:
-            order = ["direct", "proxy"] if i % 2 == 0 else ["proxy", "direct"]
-            out = []
+    """`clients` closed-loop workers, each alternating direct/proxy `per_client` times
+    over its own keep-alive connection to each."""
+    async def worker(i: int) -> list[Sample]:
+        order = ["direct", "proxy"] if i % 2 == 0 else ["proxy", "direct"]
+        conns = {path: Connection(*targets[path]) for path in order}
+        out = []
+        try:
             for _ in range(per_client):
                 for path in order:
-                    url, headers = targets[path]
-                    out.append(await one_request(client, url, headers, stream, path))
-            return out
+                    out.append(await one_request(conns[path], stream, path))
+        finally:
+            for conn in conns.values():
+                await conn.close()
+        return out
 
-        results = await asyncio.gather(*(worker(i) for i in range(clients)))
+    results = await asyncio.gather(*(worker(i) for i in range(clients)))
     return [s for r in results for s in r]
 
 
@@ -350,9 +347,13 @@ def measure(args: argparse.Namespace, db_url: str, key: str, up_port: int, proxy
     lost = 0 if args.no_logging else max(0, served - rows_in_db)
     print(f"proxy peak RSS {peak / 2**20:.0f} MB; responses served {served}, rows in Postgres "
           f"{rows_in_db}, turns lost {lost}")
+    load = os.getloadavg()
+    print(f"machine: {os.cpu_count()} CPUs, load average {load[0]:.1f} / {load[1]:.1f} / "
+          f"{load[2]:.1f} (1/5/15 min) at the end")
     return {"rows": [asdict(r) | {"overhead_p50": r.overhead_p50,
                                   "overhead_p99": r.overhead_p99} for r in rows],
-            "rss_mb": peak / 2**20, "served": served, "rows_in_db": rows_in_db, "lost": lost}
+            "rss_mb": peak / 2**20, "served": served, "rows_in_db": rows_in_db, "lost": lost,
+            "loadavg": list(os.getloadavg())}
 
 
 def main(argv: list[str]) -> int:

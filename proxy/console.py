@@ -9,6 +9,7 @@ which refuses a second statement (so `COMMIT; DELETE …` cannot escape the tran
 
 from __future__ import annotations
 
+import csv
 import datetime as dt
 import json
 import sys
@@ -117,3 +118,15 @@ def print_table(columns: Sequence[str], rows: Sequence[Sequence[Any]], *,
     print("-+-".join("-" * w for w in widths))
     for r in cells:
         print(" | ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip())
+
+
+def print_csv(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    """Rows as CSV, cells in full (JSON values as JSON text)."""
+    def cell(v: Any) -> Any:
+        if v is None:
+            return ""
+        return json.dumps(v, ensure_ascii=False) if isinstance(v, (dict, list)) else v
+
+    writer = csv.writer(sys.stdout, lineterminator="\n")
+    writer.writerow(columns)
+    writer.writerows([cell(v) for v in row] for row in rows)

@@ -51,7 +51,7 @@ STOP_ORDER = ("proxy", "judge", "train", "engine")
 # stops the stack.
 WORKERS = ("judge", "train")
 MAX_RESTARTS = 5
-RESTART_DELAY_S = 5.0
+RESTART_DELAY_S = 2.0
 
 
 class StackError(Exception):

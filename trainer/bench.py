@@ -119,7 +119,8 @@ def bench_throughput(model_dir: Path, rounds: int, batch_size: int, seq: int,
     reference = ReferenceLoop(model_dir, cfg)
     batch = synthetic_batch(backend, batch_size, seq)
     tokens = batch.num_tokens
-    ours, plain = [], []
+    ours: list[float] = []
+    plain: list[float] = []
     backend.train_step(batch)  # warm-up both
     reference.step(batch)
     for i in range(rounds):

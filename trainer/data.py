@@ -20,16 +20,19 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
-from sqlalchemy import insert, select, update
+from sqlalchemy import Table, insert, select, update
 from sqlalchemy.engine import Connection, Engine
 
 from proxy.db import PolicyVersion, Sample, TrainingStep, User
 from trainer.config import TrainerSettings
 
-SAMPLES = Sample.__table__
+SAMPLES = cast(Table, Sample.__table__)
+STEPS = cast(Table, TrainingStep.__table__)
+VERSIONS = cast(Table, PolicyVersion.__table__)
+USERS = cast(Table, User.__table__)
 _VERSION_RE = re.compile(r"^v?(\d+)$")
 
 
@@ -196,8 +199,8 @@ def _select_ready(limit: int) -> Any:
     return (
         select(SAMPLES.c.id, SAMPLES.c.prompt_ids, SAMPLES.c.response_ids,
                SAMPLES.c.rollout_logprobs, SAMPLES.c.teacher_logprobs, SAMPLES.c.reward,
-               SAMPLES.c.weight_version, User.__table__.c.train_opt_out)
-        .join(User.__table__, User.__table__.c.id == SAMPLES.c.user_id)
+               SAMPLES.c.weight_version, USERS.c.train_opt_out)
+        .join(USERS, USERS.c.id == SAMPLES.c.user_id)
         .where(SAMPLES.c.trained_step.is_(None), SAMPLES.c.skipped_reason.is_(None))
         .order_by(SAMPLES.c.id)
         .limit(limit)
@@ -228,8 +231,8 @@ def claim_batch(
         conn = db.connect()
         conn.begin()
         rows = conn.execute(_select_ready(cfg.batch_size)).all()
-        bad = [(r.id, skip_reason(r, cfg, limits, current_version)) for r in rows]
-        bad = [(i, why) for i, why in bad if why is not None]
+        reasons = [(r.id, skip_reason(r, cfg, limits, current_version)) for r in rows]
+        bad = [(i, why) for i, why in reasons if why is not None]
         if bad:
             # Mark them and start over: the freed slots may be filled by newer samples.
             for sample_id, why in bad:
@@ -273,9 +276,9 @@ def record_step(
     so a poisoned batch is not retried forever.
     """
     conn = claim.conn
-    conn.execute(insert(TrainingStep.__table__).values(**step))
+    conn.execute(insert(STEPS).values(**step))
     if version is not None:
-        conn.execute(insert(PolicyVersion.__table__).values(**version))
+        conn.execute(insert(VERSIONS).values(**version))
     ids = claim.batch.sample_ids
     values: dict[str, Any] = (
         {"trained_step": step["step"]} if trained

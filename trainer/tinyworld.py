@@ -264,8 +264,11 @@ def main(argv: Sequence[str]) -> int:
     if command == "init":
         return _init_main(rest)
     if command == "build":
-        from trainer.pretrain import build_main
-
+        try:
+            from trainer.pretrain import build_main
+        except ImportError as exc:
+            print(f"clawrl tinyworld build: unavailable ({exc})", file=sys.stderr)
+            return 1
         code: int = build_main(rest)
         return code
     print(f"clawrl tinyworld: unknown subcommand {command!r} (init or build)", file=sys.stderr)

@@ -32,7 +32,7 @@ from typing import Any
 from sqlalchemy import func, update
 from sqlalchemy.engine import Engine
 
-from proxy.db import PolicyVersion, create_engine
+from proxy.db import create_engine
 from proxy.settings import EngineSettings
 from trainer.backends.base import Backend, StepStats, make_backend
 from trainer.checkpoint import (
@@ -42,7 +42,7 @@ from trainer.checkpoint import (
     save_checkpoint,
 )
 from trainer.config import Settings, TrainerSettings, load_settings
-from trainer.data import Claim, claim_batch, record_step
+from trainer.data import VERSIONS, Claim, claim_batch, record_step
 from trainer.export import CheckpointError
 from trainer.metrics import TrainerMetrics
 from trainer.publish import PublishError, publish_version
@@ -76,8 +76,7 @@ def publish(db: Engine, engine: EngineSettings, cfg: TrainerSettings, version: i
                   extra={"action": "publish_failed"})
         return False
     with db.begin() as conn:
-        conn.execute(update(PolicyVersion.__table__)
-                     .where(PolicyVersion.__table__.c.version == version)
+        conn.execute(update(VERSIONS).where(VERSIONS.c.version == version)
                      .values(status="published", published_at=func.now()))
     metrics.version.set(version)
     return True

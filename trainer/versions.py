@@ -18,10 +18,10 @@ import argparse
 import shutil
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import httpx
-from sqlalchemy import func, select, update
+from sqlalchemy import Table, func, select, update
 from sqlalchemy.engine import Engine
 
 from proxy.db import PolicyVersion, create_engine
@@ -30,7 +30,7 @@ from trainer.config import Settings, load_settings
 from trainer.export import CheckpointError, verify_version, version_dir
 from trainer.publish import PublishError, engine_client, publish_version, serving_version
 
-PV = PolicyVersion.__table__
+PV = cast(Table, PolicyVersion.__table__)
 
 
 class VersionsError(Exception):

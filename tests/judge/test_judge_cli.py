@@ -45,6 +45,12 @@ def test_bad_input_is_one_line_and_non_zero(db_url: str) -> None:
     out = clawrl("judge", env={**env, "CLAWRL_JUDGE__BACKEND": "openai"})
     assert out.returncode == 2 and out.stderr.count("\n") == 1
     assert "CLAWRL_JUDGE__OPENAI__BASE_URL" in out.stderr
+    out = clawrl("judge", env={"CLAWRL_DATABASE__URL": "postgresql://nobody@127.0.0.1:1/x"})
+    assert out.returncode == 1 and out.stderr.startswith("clawrl judge: cannot use the database")
+    assert out.stderr.count("\n") == 1
+    out = clawrl("judge", "rejudge", "--since", "2026-01-01",
+                 env={"CLAWRL_DATABASE__URL": "postgresql://nobody@127.0.0.1:1/x"})
+    assert out.returncode == 1 and out.stderr.count("\n") == 1, out.stderr
 
 
 def test_rejudge_command_enqueues(db: Engine, db_url: str) -> None:

@@ -142,6 +142,12 @@ def test_sql_prints_a_table_from_the_views(cli_db: str,
     code, out, _ = run(["sql", "SELECT reward, hint FROM turns_with_rewards ORDER BY turn_id"],
                        capsys)
     assert code == 0 and "be brief" in out
+    code, out, _ = run(["sql", "--csv", "SELECT reward, hint, next_state FROM turns_with_rewards "
+                        "ORDER BY turn_id"], capsys)
+    assert code == 0 and out.splitlines() == [
+        "reward,hint,next_state",
+        '1,be brief,"[{""role"": ""user"", ""content"": ""thanks""}]"',
+        ',be brief,"[{""role"": ""user"", ""content"": ""thanks""}]"']
 
 
 @pytest.mark.parametrize("query, message", [

@@ -7,6 +7,7 @@ directories of its data dir world-readable, so its state dirs live under /tmp.
 from __future__ import annotations
 
 import os
+import queue
 import re
 import shutil
 import signal
@@ -14,9 +15,11 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import IO
 
 import psutil
 import psycopg
@@ -75,19 +78,36 @@ def free_port() -> int:
         return port
 
 
-def read_until(proc: subprocess.Popen[str], marker: str, timeout_s: float) -> str:
-    """stdout of `proc` up to the line holding `marker` (the child never reads stdin)."""
-    seen: list[str] = []
-    deadline = time.monotonic() + timeout_s
-    assert proc.stdout is not None
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        seen.append(line)
-        if marker in line:
-            return "".join(seen)
-    raise AssertionError(f"no {marker!r} from clawrl up:\n{''.join(seen)}")
+class Lines:
+    """The stdout lines of a child, read in a thread so a wait can time out."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        self.queue: queue.Queue[str | None] = queue.Queue()
+        self.seen: list[str] = []
+        assert proc.stdout is not None
+        self.thread = threading.Thread(target=self._read, args=(proc.stdout,), daemon=True)
+        self.thread.start()
+
+    def _read(self, stdout: IO[str]) -> None:
+        with stdout:  # closed here at EOF, by the thread that reads it
+            for line in stdout:
+                self.queue.put(line)
+        self.queue.put(None)
+
+    def until(self, marker: str, timeout_s: float) -> str:
+        """Everything read so far, once a line holding `marker` has arrived."""
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                line = self.queue.get(timeout=left)
+            except queue.Empty:
+                break
+            if line is None:
+                break
+            self.seen.append(line)
+            if marker in line:
+                return "".join(self.seen)
+        raise AssertionError(f"no {marker!r} from clawrl up:\n{''.join(self.seen)}")
 
 
 def test_up_exit_after_ready_on_embedded_postgres(state_dir: Path,
@@ -115,8 +135,9 @@ def test_up_serves_and_stops_on_sigterm(state_dir: Path, tiny_model_dir: Path,
          str(tiny_model_dir), "--proxy-port", str(port), "--engine-port", str(free_port()),
          "--no-train"], cwd=ROOT, env=environ, stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = Lines(up)
     try:
-        out = read_until(up, "Ctrl-C stops everything.", 300)
+        out = lines.until("Ctrl-C stops everything.", 300)
         key = re.search(r"API key\s+(ck-\S+)", out)
         base = re.search(r"base URL\s+(\S+)", out)
         assert key and base and base.group(1) == f"http://127.0.0.1:{port}/v1"
@@ -129,20 +150,24 @@ def test_up_serves_and_stops_on_sigterm(state_dir: Path, tiny_model_dir: Path,
         # A worker that dies is restarted; the stack keeps serving.
         judge = next(c for c in children if "judge" in c.cmdline())
         judge.kill()
-        read_until(up, "the judge exited with code -9", 30)
-        read_until(up, "restarting it (1/5)", 5)
-        time.sleep(6)  # past the restart delay: the new judge is a child too
+        lines.until("the judge exited with code -9; see", 30)
+        assert "restarting it (1/5)" in lines.seen[-1]
+        deadline = time.monotonic() + 30  # after the restart delay, a new judge is a child
+        while not any(c.pid != judge.pid and "judge" in c.cmdline()
+                      for c in psutil.Process(up.pid).children()):
+            assert time.monotonic() < deadline, "the judge was not restarted"
+            time.sleep(0.2)
         children = psutil.Process(up.pid).children(recursive=True)
-        assert any("judge" in c.cmdline() for c in children)
         up.send_signal(signal.SIGTERM)
-        rest, _ = up.communicate(timeout=120)
-        assert up.returncode == 0, out + rest
+        assert up.wait(timeout=120) == 0, "".join(lines.seen)
+        lines.until("clawrl up: stopped", 10)
         _, alive = psutil.wait_procs(children, timeout=10)
         assert alive == []
     finally:
         if up.poll() is None:
             up.kill()
             up.wait()
+        lines.thread.join(10)
     with psycopg.connect(db_url) as conn:
         rows = conn.execute("SELECT u.name, t.status FROM turns t JOIN users u "
                             "ON u.id = t.user_id").fetchall()

@@ -266,3 +266,44 @@ async def test_client_disconnect_aborts_the_request(
             await asyncio.sleep(0.1)
         assert (await client.post("/flush_cache")).status_code == 200
         await client.post("/continue_generation", json={})
+
+
+async def test_stop_strings_and_stop_token_ids(engine_url: str) -> None:
+    greedy = {"text": "The river", "sampling_params": {
+        "max_new_tokens": 16, "temperature": 0, "ignore_eos": True}}
+    async with httpx.AsyncClient(base_url=engine_url, timeout=60) as client:
+        full = (await client.post("/generate", json=greedy)).json()
+        text, ids = full["text"], full["output_ids"]
+        stop = text[4:7]
+        params = {**greedy["sampling_params"], "stop": [stop]}
+        cut = (await client.post("/generate", json={**greedy, "sampling_params": params})).json()
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": "Tell me"}],
+                "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+        chat_full = (await client.post("/v1/chat/completions", json=chat)).json()
+        chat_text = chat_full["choices"][0]["message"]["content"]
+        chat_stop = chat_text[5:8]
+        plain = (await client.post("/v1/chat/completions", json={**chat, "stop": chat_stop})
+                 ).json()["choices"][0]
+        chunks = await stream_chunks(client, {**chat, "stop": chat_stop})
+        by_id = (await client.post("/generate", json={**greedy, "sampling_params": {
+            **greedy["sampling_params"], "stop_token_ids": [ids[3]]}})).json()
+    assert cut["text"] == text[: text.find(stop)]
+    assert cut["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert ids[: len(cut["output_ids"])] == cut["output_ids"]  # ids keep the stop's tokens
+    assert plain["finish_reason"] == "stop" and plain["matched_stop"] == chat_stop
+    assert plain["message"]["content"] == chat_text[: chat_text.find(chat_stop)]
+    streamed = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks
+                       if c["choices"])
+    assert streamed == plain["message"]["content"]
+    assert by_id["output_ids"] == ids[: ids.index(ids[3]) + 1]
+    assert by_id["meta_info"]["finish_reason"] == {"type": "stop", "matched": ids[3]}
+
+
+def test_engine_cli_refuses_a_missing_model_dir(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "trainer.engine", "--model",
+                          str(tmp_path / "nope")], capture_output=True, text=True)
+    assert out.returncode == 1
+    assert out.stderr.count("\n") == 1 and "no config.json" in out.stderr

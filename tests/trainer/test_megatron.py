@@ -20,7 +20,11 @@ pytest.importorskip("megatron.core")
 from proxy.engine_client import EngineClient  # noqa: E402
 from trainer.backends import megatron_compat as compat  # noqa: E402
 from trainer.backends.megatron import MegatronBackend  # noqa: E402
-from trainer.backends.megatron_checkpoint import CheckpointMismatchError  # noqa: E402
+from trainer.backends.megatron_checkpoint import (  # noqa: E402
+    CheckpointMismatchError,
+    check_shape,
+    model_shape,
+)
 from trainer.backends.megatron_mapping import (  # noqa: E402
     UnsupportedModelError,
     check_supported,
@@ -158,6 +162,33 @@ async def test_export_reload_in_the_engine_serves_megatrons_logprobs(
             assert (served - before[b, cols]).abs().max().item() > 1e-4  # the new weights
 
 
+def test_untied_llama_logits_and_export_match(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         tie_word_embeddings=False, rope_theta=500000.0)
+    hf = LlamaForCausalLM(config).eval()
+    hf.save_pretrained(str(tmp_path / "llama"))
+    backend = MegatronBackend(settings(kl_coef=0.0))
+    try:
+        backend.load(tmp_path / "llama")
+        ids = torch.randint(0, 128, (2, 12))
+        with torch.no_grad(), compat.megatron_context():
+            ours = backend.model.module(ids, torch.arange(12).expand(2, -1), None)
+        with torch.no_grad():
+            assert (ours - hf(input_ids=ids).logits).abs().max().item() <= 1e-5
+        backend.export(tmp_path / "out")
+    finally:
+        backend.close()
+    exported, base = load_file(str(tmp_path / "out" / "model.safetensors")), \
+        load_file(str(tmp_path / "llama" / "model.safetensors"))
+    assert "lm_head.weight" in exported and exported.keys() == base.keys()
+    assert all(torch.equal(exported[k], base[k]) for k in base)
+
+
 def test_export_is_bit_exact_hugging_face(megatron: MegatronBackend, tiny_model_dir: Path,
                                           tmp_path: Path) -> None:
     from safetensors.torch import load_file
@@ -264,3 +295,20 @@ def test_world_size_must_match_the_layout() -> None:
         MegatronBackend(settings(tp=2))
     # nothing is left half-initialised: a correct backend starts afterwards
     MegatronBackend(settings()).close()
+
+
+def test_checkpoint_of_another_parallel_layout_is_refused(tmp_path: Path) -> None:
+    from transformers import Qwen2Config
+
+    hf = Qwen2Config(vocab_size=96, hidden_size=32, intermediate_size=96, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2)
+    (tmp_path / "megatron.json").write_text(json.dumps({"shape": model_shape(hf), "tp": 2,
+                                                        "pp": 1}))
+    check_shape(tmp_path, hf, tp=2, pp=1)
+    with pytest.raises(CheckpointMismatchError, match=r"tp 2 × pp 1, this run is tp 1 × pp 2"):
+        check_shape(tmp_path, hf, tp=1, pp=2)
+
+
+def test_lora_is_refused() -> None:
+    with pytest.raises(UnsupportedModelError, match="LoRA is not supported by the megatron"):
+        MegatronBackend(settings(lora={"enabled": True}))

@@ -96,3 +96,21 @@ def test_world_size_not_matching_the_layout_fails_clearly(
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode != 0
     assert "world size 2 does not match the parallel layout tp 4 × pp 1" in proc.stderr
+
+
+@pytest.mark.slow
+def test_tensor_parallel_resume_continues_exactly(
+    single: dict[str, Any], tiny_model_dir: Path, batch_file: Path, tmp_path: Path
+) -> None:
+    """TP=2: one step, distributed checkpoint, a new launch resumes: step 2 as if unbroken."""
+    common = ["--batch", str(batch_file), "--steps", "1", "--tp", "2"]
+    run_check(["--model", str(tiny_model_dir), *common, "--export", str(tmp_path / "v1"),
+               "--save-state", str(tmp_path / "v1" / "trainer_state")],
+              nproc=2, out=tmp_path / "first.json")
+    resumed = run_check(["--model", str(tmp_path / "v1"), "--reference", str(tiny_model_dir),
+                         *common,
+                         "--load-state", str(tmp_path / "v1" / "trainer_state")],
+                        nproc=2, out=tmp_path / "resumed.json")
+    step, expected = resumed["steps"][0], single["steps"][1]
+    assert step["loss"] == pytest.approx(expected["loss"], abs=1e-6)
+    assert step["grad_norm"] == pytest.approx(expected["grad_norm"], abs=1e-6)

@@ -48,6 +48,7 @@ from trainer.backends.megatron_checkpoint import (
     write_hf,
 )
 from trainer.backends.megatron_mapping import (
+    UnsupportedModelError,
     build_model,
     check_supported,
     hf_to_megatron,
@@ -74,22 +75,18 @@ class MegatronBackend:
         box = [cfg]
         if self.world > 1:
             dist.broadcast_object_list(box, src=0)  # followers learn the settings
-        if box[0] is None:
-            raise ValueError("MegatronBackend on rank 0 needs the trainer settings")
-        self.cfg: TrainerSettings = box[0]
-        self.tp, self.pp = layout(self.cfg)
-        if self.tp < 1 or self.pp < 1:
-            raise ValueError(f"tp and pp must be >= 1 (got tp {self.tp}, pp {self.pp})")
+        try:
+            self.cfg: TrainerSettings = self._check_settings(box[0])
+            self.tp, self.pp = layout(self.cfg)
+            with compat.megatron_context():
+                compat.init_model_parallel(self.tp, self.pp)
+        except Exception:
+            compat.shutdown_distributed()  # leave nothing half-initialised
+            raise
         self.device = torch.device("cuda", torch.cuda.current_device()) if compat.CUDA \
             else torch.device("cpu")
         # bf16 on a GPU turns on megatron's fused paths; CPU always runs fp32, unfused.
         self.fused = compat.CUDA and self.cfg.dtype == "bfloat16"
-        try:
-            with compat.megatron_context():
-                compat.init_model_parallel(self.tp, self.pp)
-        except Exception:
-            compat.shutdown_distributed()
-            raise
         self.hf: Any = None
         self.model: Any = None  # DDP-wrapped GPTModel stage
         self.reference: Any = None
@@ -101,6 +98,20 @@ class MegatronBackend:
         if self.world > 1 and self.is_leader:
             # The trainer loop does not know about followers: release them when we exit.
             atexit.register(self.close)
+
+    @staticmethod
+    def _check_settings(cfg: TrainerSettings | None) -> TrainerSettings:
+        if cfg is None:
+            raise ValueError("MegatronBackend on rank 0 needs the trainer settings")
+        tp, pp = layout(cfg)
+        if tp < 1 or pp < 1:
+            raise ValueError(f"tp and pp must be >= 1 (got tp {tp}, pp {pp})")
+        if cfg.lora.enabled:
+            raise UnsupportedModelError(
+                "LoRA is not supported by the megatron backend (full fine-tuning only); "
+                "use --backend torch for LoRA"
+            )
+        return cfg
 
     # -- leader / follower -------------------------------------------------------------------
     @property

@@ -173,7 +173,7 @@ def build_model(hf: Any, config: Any) -> Any:
         parallel_output=True,
         share_embeddings_and_output_weights=bool(hf.tie_word_embeddings),
         position_embedding_type="rope",
-        rotary_base=int(_rope_theta(hf)),
+        rotary_base=_rope_theta(hf),  # type: ignore[arg-type]  # annotated int, float works
     )
     mark_tensor_parallel(model)
     pad = getattr(hf, "pad_token_id", None)

@@ -11,7 +11,7 @@ the figures as JSON on rank 0:
 
     torchrun --nproc-per-node 2 -m trainer.backends.megatron_run check --model DIR \\
         --tp 2 --out result.json [--batch batch.pt] [--steps 1] [--export DIR] \\
-        [--save-state DIR] [--load-state DIR]
+        [--save-state DIR] [--load-state DIR --reference BASE_DIR]
 
 `--batch` is a `torch.save`d `{"batch": Batch, "settings": dict}`; without it a
 deterministic synthetic batch is used.
@@ -51,6 +51,7 @@ def synthetic_batch(vocab: int, samples: int, seq: int, seed: int = 0) -> Batch:
 def _check_args(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="megatron_run check", description=__doc__)
     ap.add_argument("--model", type=Path, required=True, help="HF model folder")
+    ap.add_argument("--reference", type=Path, help="KL reference model (default: --model)")
     ap.add_argument("--out", type=Path, required=True, help="JSON result (rank 0)")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
@@ -89,7 +90,7 @@ def check_main(argv: list[str]) -> int:
     result: dict[str, Any] = {"world": backend.world, "tp": args.tp, "pp": args.pp}
     try:
         started = time.perf_counter()
-        backend.load(args.model)
+        backend.load(args.model, args.reference)
         result["load_s"] = time.perf_counter() - started
         if args.load_state:
             backend.load_state(args.load_state)

@@ -16,6 +16,7 @@ import math
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -49,7 +50,7 @@ class TorchBackend:
     def load(self, model_dir: Path, reference_dir: Path | None = None) -> None:
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=self.dtype)
+        model: Any = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=self.dtype)
         conf = model.config
         self._limits = ModelLimits(
             vocab_size=int(conf.vocab_size),
@@ -67,9 +68,9 @@ class TorchBackend:
                     target_modules=lc.target_modules, task_type="CAUSAL_LM"))
         elif self.cfg.kl_coef > 0:
             ref_dir = reference_dir or model_dir
-            self.reference = (copy.deepcopy(model) if ref_dir == model_dir else
+            reference: Any = (copy.deepcopy(model) if ref_dir == model_dir else
                               AutoModelForCausalLM.from_pretrained(str(ref_dir), dtype=self.dtype))
-            self.reference.to(self.device).eval().requires_grad_(False)
+            self.reference = reference.to(self.device).eval().requires_grad_(False)
         self.model = model.to(self.device)
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
@@ -138,7 +139,7 @@ class TorchBackend:
             if not math.isfinite(loss_value):
                 bad = f"non-finite loss ({loss_value})"
                 break
-            terms.loss.backward()
+            terms.loss.backward()  # type: ignore[no-untyped-call]
             sums["loss"] += loss_value
             sums["pg"] += terms.pg_sum
             sums["kl"] += terms.kl_sum

@@ -101,10 +101,9 @@ def sampling_from_dict(raw: dict[str, Any] | None) -> SamplingParams:
         params = SamplingParams(
             max_new_tokens=int(raw["max_new_tokens"]) if raw.get("max_new_tokens") is not None
             else 128,
-            temperature=float(raw.get("temperature", 1.0) if raw.get("temperature") is not None
-                              else 1.0),
-            top_p=float(raw.get("top_p") if raw.get("top_p") is not None else 1.0),
-            top_k=int(raw.get("top_k") if raw.get("top_k") is not None else -1),
+            temperature=float(_given(raw, "temperature", 1.0)),
+            top_p=float(_given(raw, "top_p", 1.0)),
+            top_k=int(_given(raw, "top_k", -1)),
             min_new_tokens=int(raw.get("min_new_tokens") or 0),
             stop=[stop] if isinstance(stop, str) else [str(s) for s in stop],
             stop_token_ids=[int(t) for t in raw.get("stop_token_ids") or []],
@@ -117,6 +116,12 @@ def sampling_from_dict(raw: dict[str, Any] | None) -> SamplingParams:
         raise EngineError(f"invalid sampling_params: {exc}") from exc
     check_sampling(params)
     return params
+
+
+def _given(raw: dict[str, Any], key: str, default: float) -> Any:
+    """raw[key], or the default when it is missing or null."""
+    value = raw.get(key)
+    return default if value is None else value
 
 
 def check_sampling(p: SamplingParams) -> None:

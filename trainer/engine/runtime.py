@@ -173,7 +173,10 @@ class Engine:
         """
         loop = asyncio.get_running_loop()
         progressed = asyncio.Event()
-        seq.notify = lambda: loop.call_soon_threadsafe(progressed.set)
+        def notify() -> None:
+            loop.call_soon_threadsafe(progressed.set)
+
+        seq.notify = notify
         await self._resumed.wait()
         async with self.lock.reader():
             if seq.rid in self.live:

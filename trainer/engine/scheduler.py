@@ -169,7 +169,7 @@ class Scheduler:
                 if not self._wait_for_work():
                     return
                 self._drop_aborted()
-                admit = []
+                admit: list[Sequence] = []
                 while self._waiting and len(self._running) + len(admit) < self.max_batch:
                     admit.append(self._waiting.popleft())
             try:
