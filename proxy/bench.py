@@ -132,13 +132,16 @@ async def one_request(conn: Connection, stream: bool, path: str) -> Sample:
 
 
 async def run_phase(targets: dict[str, tuple[str, dict[str, str]]], clients: int,
-                    per_client: int, stream: bool) -> list[Sample]:
+                    per_client: int, stream: bool, spread_s: float = 0.0) -> list[Sample]:
     """`clients` closed-loop workers, each alternating direct/proxy `per_client` times
-    over its own keep-alive connection to each."""
+    over its own keep-alive connection to each. Worker i starts `i * spread_s / clients`
+    late: with fixed-length replies, workers started together would stay in lockstep and
+    every request would queue behind the whole burst (real users do not synchronise)."""
     async def worker(i: int) -> list[Sample]:
         order = ["direct", "proxy"] if i % 2 == 0 else ["proxy", "direct"]
         conns = {path: Connection(*targets[path]) for path in order}
         out = []
+        await asyncio.sleep(i * spread_s / clients)
         try:
             for _ in range(per_client):
                 for path in order:
@@ -308,8 +311,9 @@ def measure(args: argparse.Namespace, db_url: str, key: str, up_port: int, proxy
         httpx.post(f"http://{HOST}:{up_port}/bench/config",
                    json={"tokens": tokens, "reply_s": reply_s}).raise_for_status()
 
-    def phase(clients: int, per_client: int, stream: bool) -> list[Sample]:
-        return run_loop(run_phase(targets, clients, per_client, stream))
+    def phase(clients: int, per_client: int, stream: bool, spread_s: float = 0.0
+              ) -> list[Sample]:
+        return run_loop(run_phase(targets, clients, per_client, stream, spread_s))
 
     configure(16, 0.0)
     for stream in (False, True):  # warm-up: connections, caches, the JIT-less first calls
@@ -326,7 +330,8 @@ def measure(args: argparse.Namespace, db_url: str, key: str, up_port: int, proxy
                           else max(1, round(args.per_client * 32 / clients)))
         for mode in args.modes:
             cpu0 = sum(proxy_proc.cpu_times()[:2])
-            samples = phase(clients, per_client, mode == "stream")
+            spread = args.reply_s if clients > 1 else 0.0
+            samples = phase(clients, per_client, mode == "stream", spread)
             cpu_s = sum(proxy_proc.cpu_times()[:2]) - cpu0
             served += sum(s.ok and s.path == "proxy" for s in samples)
             rows.append(summarize(clients, mode, samples, cpu_s))

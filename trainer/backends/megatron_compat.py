@@ -11,8 +11,10 @@ CUDA it:
   no-ops (they are called unconditionally);
 - installs megatron's own no-op RNG tracker (there is no dropout in our models);
 - redirects `device="cuda"` allocations and `.cuda()` calls to the CPU with a
-  `TorchFunctionMode`. Modes are thread-local, so every thread that runs megatron code
-  must enter `megatron_context()` itself (the backend does, around every call);
+  `TorchFunctionMode`, which also answers `Tensor.type()` with the CUDA type name (the
+  distributed optimizer and grad clipping assert `torch.cuda.FloatTensor`). Modes are
+  thread-local, so every thread that runs megatron code must enter `megatron_context()`
+  itself (the backend does, around every call);
 - uses the gloo backend on a free local port when not launched by torchrun.
 
 Keep this module small: everything megatron-specific that is not a CPU workaround lives in
