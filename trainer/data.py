@@ -190,6 +190,8 @@ class Claim:
     skipped: Counter[str] = field(default_factory=Counter)
 
     def release(self) -> None:
+        if self.conn.closed:
+            return
         if self.conn.in_transaction():
             self.conn.rollback()
         self.conn.close()

@@ -4,8 +4,8 @@ Reuses `clawrl up`'s process handling (proxy/stack.py): every service is a child
 (`clawrl engine|proxy|judge|train`) logging to `<out>/<method>/logs/`, stopped in order.
 The database is a fresh one per method on the configured server (`CLAWRL_DATABASE__URL`),
 or on an embedded Postgres under `<out>/pg` when none is configured.
-`wait_trained` is how a round knows the loop has caught up: no judge job queued or
-running, no ready sample left untrained, and the engine serving the newest version.
+`loop_state`, `wait_judged` and `wait_published` are how a round of the eval knows where the
+loop is: judge jobs left, usable samples not yet trained, the newest version served.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from proxy.stack import HOST, Stack, StackError, wait_healthy
 if TYPE_CHECKING:
     from trainer.evaluate import EvalConfig
 
-__all__ = ["StackError", "ensure_model", "run_method", "wait_trained"]
+__all__ = ["StackError", "ensure_model", "loop_state", "run_method", "wait_judged",
+           "wait_published"]
 
 
 def ensure_model(model: Path, small: bool = False) -> Path:
@@ -68,39 +69,59 @@ def drop_database(server_url: str, name: str) -> None:
         conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
-PENDING_SQL = """
-SELECT
-  (SELECT count(*) FROM jobs WHERE kind = 'judge' AND status IN ('queued', 'running')),
-  (SELECT count(*) FROM samples WHERE trained_step IS NULL AND skipped_reason IS NULL),
-  (SELECT max(version) FROM policy_versions WHERE published_at IS NOT NULL)
-"""
+# Samples the trainer will use under each method (the others it skips when it meets them).
+USABLE = {"rl": "reward IS NOT NULL", "opd": "teacher_logprobs IS NOT NULL",
+          "combine": "(reward IS NOT NULL OR teacher_logprobs IS NOT NULL)"}
 
 
-async def wait_trained(db: Any, engine_url: str, timeout_s: float,
-                       poll_s: float = 1.0) -> int | None:
-    """Wait until judge and trainer have caught up; the newest published version.
-
-    Two consecutive quiet polls are required, because turns reach the database a moment
-    after their responses (the proxy writes them in the background).
-    """
-    import httpx
+async def loop_state(db: Any, method: str) -> tuple[int, int, int]:
+    """(judge jobs queued or running, usable samples not yet trained, newest published
+    version or 0)."""
     from sqlalchemy import text
 
+    sql = f"""
+    SELECT
+      (SELECT count(*) FROM jobs WHERE kind = 'judge' AND status IN ('queued', 'running')),
+      (SELECT count(*) FROM samples WHERE trained_step IS NULL AND skipped_reason IS NULL
+         AND {USABLE.get(method, "true")}),
+      (SELECT coalesce(max(version), 0) FROM policy_versions WHERE published_at IS NOT NULL)
+    """
+    async with db.connect() as conn:
+        jobs, samples, newest = (await conn.execute(text(sql))).one()
+    return int(jobs), int(samples), int(newest)
+
+
+async def wait_judged(db: Any, method: str, timeout_s: float, poll_s: float = 1.0) -> None:
+    """Wait until no judge job is queued or running, twice in a row (turns reach the
+    database a moment after their responses: the proxy writes them in the background)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     quiet = 0
+    while loop.time() < deadline:
+        await asyncio.sleep(poll_s)
+        jobs = (await loop_state(db, method))[0]
+        quiet = quiet + 1 if jobs == 0 else 0
+        if quiet >= 2:
+            return
+    raise StackError(f"the judge did not finish within {timeout_s:.0f} s ({jobs} jobs left)")
+
+
+async def wait_published(db: Any, method: str, engine_url: str, after: int,
+                         timeout_s: float, poll_s: float = 1.0) -> int:
+    """Wait until a version newer than `after` is published and the engine serves it."""
+    import httpx
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
     async with httpx.AsyncClient(timeout=10.0) as http:
         while loop.time() < deadline:
             await asyncio.sleep(poll_s)
-            async with db.connect() as conn:
-                jobs, samples, newest = (await conn.execute(text(PENDING_SQL))).one()
+            newest = (await loop_state(db, method))[2]
             serving = (await http.get(f"{engine_url}/model_info")).json().get("weight_version")
-            caught_up = jobs == 0 and samples == 0 and (newest is None or str(newest) == serving)
-            quiet = quiet + 1 if caught_up else 0
-            if quiet >= 2:
-                return None if newest is None else int(newest)
-    raise StackError(f"judge/trainer did not catch up within {timeout_s:.0f} s "
-                     f"(queued judge jobs {jobs}, untrained samples {samples})")
+            if newest > after and str(newest) == str(serving):
+                return newest
+    raise StackError(f"the trainer published nothing after v{after} within {timeout_s:.0f} s "
+                     "(see its log)")
 
 
 def run_method(config: EvalConfig, method: str,

@@ -6,12 +6,14 @@
 For each method, on the same seeds: start a fresh stack (Postgres database, embedded engine
 serving the pretrained tiny world model, proxy, judge worker, and — except for `none` — the
 trainer with that method), create one user and API key per simulated user, then repeat for
-`--rounds` rounds: every user chats (`--sessions` sessions, correcting violations of its
-hidden preference), the round waits until the judge has judged everything and the trainer
-has trained on it and published a new weight version, then every user probes held-out
-prompts as side turns (trainer/simulate.py). Round 0 is the base model.
+`--rounds` rounds: the users chat (trainer/simulate.py: questions, corrections of their hidden
+preference, praise) until the judge has produced a full training batch; the trainer trains
+it and publishes the next weight version (one version per round; the trainer is told to
+train full batches only); then every user probes held-out prompts as side turns. Round 0 is
+the base model; `none` chats `--sessions` sessions per user per round and never trains.
 
-Output in `--out`: results.json (every probe, training steps, settings), a table on stdout
+Output in `--out`: results.json (every probe with the served version's training stats,
+and the settings), a table on stdout
 (round x method x user: satisfaction, with weight version and task accuracy) and
 curve.png (satisfaction per round, one line per method and preference).
 
@@ -47,7 +49,8 @@ class EvalConfig:
     prefs: tuple[str, ...] = ("lowercase", "brief")
     users_per_pref: int = 1
     rounds: int = 8
-    sessions: int = 4
+    sessions: int = 3  # chat sessions per user per round for `none` (about what a batch takes)
+    max_chats: int = 20  # cap on sessions per user per round while a batch fills
     probes: int = 16
     seed: int = 0
     world_seed: int = 0
@@ -68,7 +71,8 @@ def trainer_env(config: EvalConfig, method: str) -> dict[str, str]:
             "CLAWRL_TRAINER__KL_COEF": str(config.kl_coef),
             "CLAWRL_TRAINER__BATCH_SIZE": str(config.batch_size),
             "CLAWRL_TRAINER__MICRO_BATCH_SIZE": str(min(8, config.batch_size)),
-            "CLAWRL_TRAINER__MAX_WAIT_S": "3", "CLAWRL_TRAINER__POLL_S": "0.5",
+            # Only full batches: the eval chats until one is ready (one version per round).
+            "CLAWRL_TRAINER__MAX_WAIT_S": "100000", "CLAWRL_TRAINER__POLL_S": "0.5",
             "CLAWRL_TRAINER__SEED": str(config.seed)}
 
 
@@ -79,7 +83,7 @@ async def run_rounds(config: EvalConfig, method: str, proxy_url: str, db_url: st
 
     from proxy import admin
     from proxy.db import create_async
-    from trainer.evalstack import wait_trained
+    from trainer.evalstack import loop_state, wait_judged, wait_published
     from trainer.simulate import SimUser
 
     world = World.build(config.world_seed)
@@ -97,14 +101,25 @@ async def run_rounds(config: EvalConfig, method: str, proxy_url: str, db_url: st
             users.append(SimUser(name, pref, client, random.Random(f"user-{config.seed}-{i}")))
         rows: list[dict[str, Any]] = []
         for rnd in range(config.rounds + 1):
-            if rnd > 0:
-                await asyncio.gather(*(_sessions(u, world, config.sessions) for u in users))
-                if method != "none":
-                    await wait_trained(db, engine_url, config.round_timeout_s)
+            if rnd > 0 and method == "none":
+                for _ in range(config.sessions):
+                    await asyncio.gather(*(u.chat_session(world) for u in users))
+            elif rnd > 0:
+                # Chat until a full batch is ready (the trainer only trains full batches),
+                # then wait for that version: one published version per round.
+                start = (await loop_state(db, method))[2]
+                for _ in range(config.max_chats):
+                    await asyncio.gather(*(u.chat_session(world) for u in users))
+                    await wait_judged(db, method, config.round_timeout_s)
+                    _, ready, newest = await loop_state(db, method)
+                    if ready >= config.batch_size or newest > start:
+                        break
+                await wait_published(db, method, engine_url, start, config.round_timeout_s)
             version = await _serving_version(engine_url)
+            trained = await _version_stats(db, version)
             results = await asyncio.gather(*(u.probe(world, probe_prompts) for u in users))
             for user, res in zip(users, results, strict=True):
-                rows.append({"method": method, "round": rnd, "version": version,
+                rows.append({"method": method, "round": rnd, "version": version, **trained,
                              "user": user.name, "pref": user.pref,
                              "satisfied": round(res.satisfied, 4),
                              "correct": round(res.correct, 4), "examples": res.replies[:3]})
@@ -116,9 +131,18 @@ async def run_rounds(config: EvalConfig, method: str, proxy_url: str, db_url: st
         await db.dispose()
 
 
-async def _sessions(user: Any, world: World, n: int) -> None:
-    for _ in range(n):
-        await user.chat_session(world)
+async def _version_stats(db: Any, version: str) -> dict[str, Any]:
+    """What the trainer recorded for the served version (empty for the base model)."""
+    from sqlalchemy import text
+
+    if not version.isdigit() or version == "0":
+        return {}
+    async with db.connect() as conn:
+        row = (await conn.execute(text(
+            "SELECT num_samples, loss, reward_mean FROM policy_versions WHERE version = :v"),
+            {"v": int(version)})).first()
+    return {} if row is None else {"train_samples": row[0], "train_loss": row[1],
+                                   "train_reward_mean": row[2]}
 
 
 async def _serving_version(engine_url: str) -> str:
@@ -202,7 +226,9 @@ def parse_args(argv: list[str]) -> EvalConfig:
                    help=f"hidden preferences, one simulated user each ({', '.join(EVAL_PREFERENCES)})")
     p.add_argument("--users-per-pref", type=int, default=1)
     p.add_argument("--rounds", type=int, default=8, help="rounds of chat -> train -> probe")
-    p.add_argument("--sessions", type=int, default=4, help="chat sessions per user per round")
+    p.add_argument("--sessions", type=int, default=3,
+                   help="chat sessions per user per round for `none` (trained methods chat "
+                        "until a full batch is ready)")
     p.add_argument("--probes", type=int, default=16, help="held-out prompts per user per probe")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=1e-4)

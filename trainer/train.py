@@ -29,8 +29,10 @@ from pathlib import Path
 from statistics import mean
 from typing import Any
 
-from sqlalchemy import func, update
+import httpx
+from sqlalchemy import func, select, update
 from sqlalchemy.engine import Engine
+from sqlalchemy.exc import OperationalError
 
 from proxy.db import create_engine
 from proxy.settings import EngineSettings
@@ -43,11 +45,13 @@ from trainer.checkpoint import (
 )
 from trainer.config import Settings, TrainerSettings, load_settings
 from trainer.data import VERSIONS, Claim, claim_batch, record_step
-from trainer.export import CheckpointError
+from trainer.export import CheckpointError, version_dir
 from trainer.metrics import TrainerMetrics
-from trainer.publish import PublishError, publish_version
+from trainer.publish import PublishError, engine_client, publish_version, serving_version
 
 log = logging.getLogger("clawrl.trainer")
+# While no samples arrive, check this often that the engine still serves our version.
+IDLE_CHECK_S = 60.0
 
 
 class StopFlag:
@@ -75,11 +79,46 @@ def publish(db: Engine, engine: EngineSettings, cfg: TrainerSettings, version: i
         log.error("v%d not published (engine keeps its current weights): %s", version, exc,
                   extra={"action": "publish_failed"})
         return False
+    mark_published(db, version)
+    metrics.version.set(version)
+    return True
+
+
+def mark_published(db: Engine, version: int) -> None:
     with db.begin() as conn:
         conn.execute(update(VERSIONS).where(VERSIONS.c.version == version)
                      .values(status="published", published_at=func.now()))
-    metrics.version.set(version)
-    return True
+
+
+class RolledBack(Exception):
+    """The version this trainer continues from was retired by `clawrl versions rollback`."""
+
+
+def ensure_serving(db: Engine, engine: EngineSettings, cfg: TrainerSettings, current: int,
+                   weights_dir: Path, metrics: TrainerMetrics) -> None:
+    """Make sure the engine serves our newest version (an engine restart loads the base model
+    again; a publish may have failed), and stop if a rollback retired that version."""
+    if current == 0:
+        return
+    with db.connect() as conn:
+        status = conn.execute(select(VERSIONS.c.status)
+                              .where(VERSIONS.c.version == current)).scalar()
+    if status == "retired":
+        raise RolledBack(f"v{current} was retired by a rollback; restart the trainer to "
+                         "continue from the rolled-back version")
+    try:
+        with engine_client(engine, 10.0) as client:
+            serving = serving_version(client)
+    except httpx.HTTPError as exc:
+        log.warning("engine unreachable: %s", exc, extra={"action": "engine_unreachable"})
+        return
+    if serving != str(current):
+        log.warning("engine serves %r, not v%d: publishing again", serving, current,
+                    extra={"action": "republish"})
+        publish(db, engine, cfg, current, version_dir(weights_dir, current), metrics)
+    elif status != "published":  # swapped, but killed before the DB said so
+        mark_published(db, current)
+        metrics.version.set(current)
 
 
 def step_rows(step: int, stats: StepStats, claim: Claim, skipped: Counter[str],
@@ -130,8 +169,7 @@ def train(settings: Settings, *, max_steps: int | None = None, once: bool = Fals
     current = point.version
     log.info("resuming at v%d, next step %d", current, point.next_step,
              extra={"action": "resume"})
-    if point.path is not None and not point.published:
-        publish(db, settings.engine, cfg, current, point.path, metrics)
+    ensure_serving(db, settings.engine, cfg, current, weights_dir, metrics)
 
     try:
         return run_steps(settings, db, backend, metrics, point.version, point.next_step,
@@ -150,30 +188,38 @@ def run_steps(settings: Settings, db: Engine, backend: Backend, metrics: Trainer
     cfg, ok_steps = settings.trainer, 0
     base_dir, weights_dir = settings.model_dir(), settings.weights_dir()
     while not stop() and (max_steps is None or ok_steps < max_steps):
-        # 1. claim
-        claim, skipped = claim_batch(db, cfg, backend.limits, current, should_stop=stop,
-                                     give_up_after_s=cfg.max_wait_s if once else None)
+        # 1. claim (idle: come back every IDLE_CHECK_S to check what the engine serves)
+        try:
+            claim, skipped = claim_batch(
+                db, cfg, backend.limits, current, should_stop=stop,
+                give_up_after_s=cfg.max_wait_s if once else IDLE_CHECK_S)
+        except OperationalError as exc:
+            log.warning("database unavailable, retrying: %s", exc, extra={"action": "db_down"})
+            time.sleep(5 * cfg.poll_s)
+            continue
         if claim is None:
             if skipped:
                 log.info("skipped samples: %s", dict(skipped), extra={"action": "skip"})
             if once:
                 print("no trainable samples ready", flush=True)
                 break
+            ensure_serving(db, settings.engine, cfg, current, weights_dir, metrics)
             continue
-        # 2. train
         try:
+            # 2. train
             stats = backend.train_step(claim.batch)
-        except BaseException:
-            claim.release()
-            raise
-        # 3. save (ok steps only)
-        path = None
-        if stats.status == "ok":
+            # 3. save (ok steps only)
+            path = None
             t0 = time.perf_counter()
-            path = save_checkpoint(backend, weights_dir, step, base_dir, {"step": step})
-        # 4. commit
-        step_row, version_row = step_rows(step, stats, claim, skipped, path)
-        record_step(claim, step=step_row, version=version_row, trained=stats.status == "ok")
+            if stats.status == "ok":
+                path = save_checkpoint(backend, weights_dir, step, base_dir, {"step": step})
+            # 4. commit
+            step_row, version_row = step_rows(step, stats, claim, skipped, path)
+            record_step(claim, step=step_row, version=version_row,
+                        trained=stats.status == "ok")
+        except BaseException:
+            claim.release()  # rows unlocked, nothing marked: a restart retrains them
+            raise
         metrics.record_step(step, stats, step_row["reward_mean"], step_row["staleness_mean"],
                             dict(skipped))
         # 5. publish
@@ -230,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     stop.install()
     try:
         train(settings, max_steps=args.max_steps, once=args.once, should_stop=stop)
-    except CheckpointError as exc:
+    except (CheckpointError, RolledBack) as exc:
         print(f"clawrl train: {exc}", file=sys.stderr)
         return 1
     return 0

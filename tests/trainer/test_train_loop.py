@@ -191,3 +191,28 @@ def test_rollback_restores_older_weights_and_prune_keeps_the_serving_version(
     assert train(cfg, max_steps=1) == 1
     assert versions(db)[3] == "published"
     assert steps(db)[-1]["staleness_mean"] == 0.0  # samples from v1, trained from v1
+
+
+def test_a_restarted_engine_gets_the_current_version_back_and_rollback_stops_the_trainer(
+        tmp_path: Path, db_url: str, db: Engine, add_sample: SampleFactory,
+        tiny_model_dir: Path, engine_factory: Callable[..., str]) -> None:
+    from trainer.metrics import TrainerMetrics
+    from trainer.train import RolledBack, ensure_serving
+
+    url = engine_factory(tiny_model_dir)
+    cfg = settings_for(tmp_path, db_url, url, tiny_model_dir, batch_size=2)
+    add_sample(reward=1, **rollout(url, PROMPT))
+    add_sample(reward=-1, **rollout(url, PROMPT))
+    assert train(cfg, max_steps=1) == 1
+    # The engine comes back from a restart serving the base model.
+    r = httpx.post(url + "/update_weights_from_disk", json={
+        "model_path": str(tiny_model_dir), "weight_version": "default"}, timeout=60)
+    assert r.json()["success"]
+    assert train(cfg, max_steps=0) == 0
+    assert httpx.get(url + "/model_info").json()["weight_version"] == "1"
+    # A rollback retired the version a running trainer continues from: it stops, clearly.
+    with db.begin() as conn:
+        conn.execute(PolicyVersion.__table__.update().values(status="retired"))
+    metrics = TrainerMetrics(tmp_path / "m.prom")
+    with pytest.raises(RolledBack, match="v1 was retired by a rollback"):
+        ensure_serving(db, cfg.engine, cfg.trainer, 1, cfg.weights_dir(), metrics)
