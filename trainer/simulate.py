@@ -20,6 +20,7 @@ replies, of course, differ).
 
 from __future__ import annotations
 
+import asyncio
 import random
 from dataclasses import dataclass, field
 from typing import Any
@@ -92,7 +93,9 @@ class SimUser:
 
     async def probe(self, world: World, prompts: list[str]) -> ProbeResult:
         """First replies to held-out prompts, as side turns in fresh conversations."""
-        replies = [await self._complete([{"role": "user", "content": p}], SIDE) for p in prompts]
+        # Concurrent, so the engine batches them (side turns are independent conversations).
+        replies = list(await asyncio.gather(
+            *(self._complete([{"role": "user", "content": p}], SIDE) for p in prompts)))
         questions = [world.find(p) for p in prompts]
         correct = [q is not None and is_correct(world, q, r)
                    for q, r in zip(questions, replies, strict=True)]

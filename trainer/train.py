@@ -200,6 +200,8 @@ def run_steps(settings: Settings, db: Engine, backend: Backend, metrics: Trainer
         if claim is None:
             if skipped:
                 log.info("skipped samples: %s", dict(skipped), extra={"action": "skip"})
+                for reason, n in skipped.items():
+                    metrics.skipped.labels(reason).inc(n)
             if once:
                 print("no trainable samples ready", flush=True)
                 break

@@ -312,3 +312,16 @@ def test_checkpoint_of_another_parallel_layout_is_refused(tmp_path: Path) -> Non
 def test_lora_is_refused() -> None:
     with pytest.raises(UnsupportedModelError, match="LoRA is not supported by the megatron"):
         MegatronBackend(settings(lora={"enabled": True}))
+
+
+def test_sharded_hugging_face_checkpoints_are_read(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from huggingface_hub import save_torch_state_dict
+
+    from trainer.backends.megatron_checkpoint import HFWeights
+
+    base = base_weights(tiny_model_dir)
+    save_torch_state_dict(base, str(tmp_path), max_shard_size="100KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    weights = HFWeights(tmp_path)
+    assert set(weights) == set(base)
+    assert all(torch.equal(weights[k], base[k]) for k in base)
