@@ -25,6 +25,7 @@ from typing import Any
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -153,7 +154,13 @@ def _check_url(url: str, what: str) -> str | None:
 
 
 def main(argv: list[str]) -> int:
-    settings = load_settings()
+    try:
+        settings = load_settings()
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        print(f"clawrl proxy: bad setting {where}: {first['msg']}", file=sys.stderr)
+        return 2
     parser = argparse.ArgumentParser(prog="clawrl proxy",
                                      description="Run the OpenAI-compatible proxy.")
     parser.add_argument("--host", default=settings.proxy.host)
@@ -182,8 +189,10 @@ def main(argv: list[str]) -> int:
     app = create_app(settings, db_url=url)
     import uvicorn
 
+    # On SIGTERM in-flight requests get this long to finish before the lifespan stores the
+    # remaining turns and exits.
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
-                access_log=args.access_log)
+                access_log=args.access_log, timeout_graceful_shutdown=30)
     return 0
 
 

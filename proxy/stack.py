@@ -1,7 +1,7 @@
 """`clawrl up`: the whole stack on one machine, on embedded defaults.
 
-    clawrl up [--state-dir .clawrl] [--model DIR] [--proxy-port 8000] [--engine-port 30000]
-              [--no-judge] [--no-train] [--exit-after-ready]
+    clawrl up [--state-dir .clawrl] [--model DIR | --small-model] [--proxy-port 8000]
+              [--engine-port 30000] [--no-judge] [--no-train] [--exit-after-ready]
 
 1. Postgres: `CLAWRL_DATABASE__URL`, or an embedded server with its data under
    `<state-dir>/pg` (stopped when this command exits); migrations run to head.
@@ -166,11 +166,14 @@ def has_module(name: str) -> bool:
         return False
 
 
-def ensure_model(model: Path | None, state_dir: Path, env: dict[str, str]) -> Path:
-    """The model directory to serve: given, or the cached tiny world model (built once)."""
+def ensure_model(model: Path | None, state_dir: Path, env: dict[str, str], *,
+                 small: bool = False) -> Path:
+    """The model directory to serve: given, or the cached tiny world model (built once;
+    `small`: the test-sized one, built in about a minute)."""
     if model is not None:
         return model.resolve()
-    model = (state_dir / "models" / "tinyworld").resolve()
+    model = (state_dir / "models" / ("tinyworld-small" if small else "tinyworld")).resolve()
+    extra = ["--small"] if small else []
     if has_module("trainer.pretrain"):
         # Cached by the builder itself (its key covers corpus and judge templates): the
         # first run pretrains for minutes, later runs return at once.
@@ -181,10 +184,10 @@ def ensure_model(model: Path | None, state_dir: Path, env: dict[str, str]) -> Pa
     elif (model / "config.json").is_file():
         return model
     else:
-        verb = "init"  # a random tiny model: seconds
+        verb, extra = "init", []  # a random tiny model: seconds
     model.parent.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run([sys.executable, "-m", "proxy.cli", "tinyworld", verb, str(model)],
-                          env=env, stdin=subprocess.DEVNULL, check=False)
+    done = subprocess.run([sys.executable, "-m", "proxy.cli", "tinyworld", verb, str(model),
+                           *extra], env=env, stdin=subprocess.DEVNULL, check=False)
     if done.returncode != 0 or not (model / "config.json").is_file():
         raise StackError(f"`clawrl tinyworld {verb} {model}` failed (exit {done.returncode})")
     return model
@@ -291,7 +294,7 @@ def run_children(args: argparse.Namespace, state_dir: Path, db_url: str) -> int:
            "CLAWRL_ENGINE__URL": engine_url, "CLAWRL_PROXY__HOST": HOST,
            "CLAWRL_PROXY__PORT": str(args.proxy_port),
            "CLAWRL_PROXY__ADMIN_KEY": admin_key(state_dir), "PYTHONUNBUFFERED": "1"}
-    model = ensure_model(args.model, state_dir, env)
+    model = ensure_model(args.model, state_dir, env, small=args.small_model)
     stack = Stack(state_dir, env)
     try:
         print("starting the engine …", flush=True)
@@ -328,6 +331,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--state-dir", type=Path, default=None,
                    help="data, models, logs (default CLAWRL_STATE_DIR or .clawrl)")
     p.add_argument("--model", type=Path, help="Hugging Face model directory to serve")
+    p.add_argument("--small-model", action="store_true",
+                   help="without --model: the test-sized tiny world model (about a minute to "
+                        "build) instead of the full one (minutes)")
     p.add_argument("--proxy-port", type=int, default=8000)
     p.add_argument("--engine-port", type=int, default=30000)
     p.add_argument("--no-judge", action="store_true", help="do not start a judge worker")

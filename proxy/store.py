@@ -46,6 +46,7 @@ class TurnWriter:
         self._task: asyncio.Task[None] | None = None
         self._inflight: list[TurnRecord] = []
         self._conn: AsyncConnection | None = None
+        self._retry_at = 0.0  # no database attempt before this (monotonic) time
 
     @property
     def backlog(self) -> int:
@@ -128,6 +129,7 @@ class TurnWriter:
                 except _BAD_RECORD:
                     await self._store_one_by_one(batch)
                 except (SQLAlchemyError, OSError) as exc:
+                    self._retry_at = time.monotonic() + self.retry_s
                     log.warning("database unreachable, journaling %d turns: %s", len(batch),
                                 exc, extra={"action": "store_failed"})
                     self._to_journal(batch)
@@ -185,9 +187,14 @@ class TurnWriter:
                           extra={"action": "store_rejected"})
 
     async def _replay(self) -> bool:
-        """Store every journaled turn, in order; True when the journal is empty after."""
+        """Store every journaled turn, in order; True when the journal is empty after.
+
+        After a failed attempt the database is left alone for `retry_s`: meanwhile new turns
+        go straight to the journal, so an outage costs no connection attempt per batch."""
         if not self.journal.pending:
             return True
+        if time.monotonic() < self._retry_at:
+            return False
         try:
             records, lines = self.journal.read()
             for start in range(0, len(records), self.batch_size):
@@ -197,6 +204,7 @@ class TurnWriter:
                 except _BAD_RECORD:
                     await self._store_one_by_one(chunk)
         except (SQLAlchemyError, OSError) as exc:
+            self._retry_at = time.monotonic() + self.retry_s
             log.info("journal replay deferred: %s", exc, extra={"action": "replay_deferred"})
             return False
         self.journal.clear(lines)

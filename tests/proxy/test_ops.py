@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import httpx
+import pytest
 from proxyharness import ProxyFactory, chunk, closed_port_url
 
 from proxy.sse import StreamCollector, client_chunk, iter_data
@@ -30,21 +31,19 @@ async def test_readyz_busy_engine_is_ready_down_is_not(
         assert (await http.get(f"{down.url}/healthz")).status_code == 200
 
 
-def test_cli_rejects_a_bad_engine_url() -> None:
-    done = subprocess.run([sys.executable, "-m", "proxy.cli", "proxy", "--engine-url",
-                           "not a url"], capture_output=True, text=True, timeout=60)
+@pytest.mark.parametrize(("args", "env", "expected"), [
+    (["--engine-url", "not a url"], {}, "invalid engine URL"),
+    ([], {"CLAWRL_DATABASE__URL": "nosuchdb://x/y"}, "bad database URL"),
+    ([], {"CLAWRL_DATABASE__URL": "::::"}, "bad database URL"),
+    ([], {"CLAWRL_PROXY__PORT": "abc"}, "bad setting proxy.port"),
+])
+def test_cli_bad_input_is_one_line(args: list[str], env: dict[str, str],
+                                   expected: str) -> None:
+    done = subprocess.run([sys.executable, "-m", "proxy.cli", "proxy", *args],
+                          capture_output=True, text=True, timeout=60, env={"PATH": "", **env})
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and "invalid engine URL" in lines[0]
-
-
-def test_cli_rejects_a_bad_database_url() -> None:
-    env = {"CLAWRL_DATABASE__URL": "nosuchdb://x/y", "PATH": ""}
-    done = subprocess.run([sys.executable, "-m", "proxy.cli", "proxy"], capture_output=True,
-                          text=True, timeout=60, env=env)
-    assert done.returncode == 2
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and "bad database URL" in lines[0]
+    assert len(lines) == 1 and expected in lines[0]
 
 
 def test_stream_collector_merges_tool_call_deltas() -> None:

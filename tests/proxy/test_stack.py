@@ -197,3 +197,14 @@ def test_up_port_in_use_is_one_line(state_dir: Path) -> None:
     assert done.returncode == 1
     assert done.stderr.strip() == (f"clawrl up: port {port} for the proxy is in use "
                                    "(Address already in use); pick another with --proxy-port")
+
+
+@pytest.mark.slow
+def test_up_builds_the_tiny_world_model_when_missing(state_dir: Path, db_url: str) -> None:
+    """No --model: `clawrl up` builds (and caches) the tiny world model itself."""
+    args = ["up", "--small-model", "--no-train", "--no-judge", "--exit-after-ready",
+            "--proxy-port", str(free_port()), "--engine-port", str(free_port())]
+    done = clawrl(args, state_dir, timeout=900, CLAWRL_DATABASE__URL=db_url, OMP_NUM_THREADS="1")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    model = state_dir / "models" / "tinyworld-small"
+    assert (model / "config.json").is_file() and f"model     {model}" in done.stdout
