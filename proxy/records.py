@@ -9,8 +9,23 @@ from __future__ import annotations
 
 import datetime as dt
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
+
+# Postgres text and JSONB cannot hold U+0000, which a model (or a client) can produce.
+# It is stored as U+FFFD; the token ids keep exactly what the engine sampled.
+_NUL, _REPLACEMENT = "\x00", "\ufffd"
+
+
+def scrub_nul(value: Any) -> Any:
+    """`value` with every U+0000 in its strings (keys too) replaced by U+FFFD."""
+    if isinstance(value, str):
+        return value.replace(_NUL, _REPLACEMENT) if _NUL in value else value
+    if isinstance(value, dict):
+        return {scrub_nul(k): scrub_nul(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [scrub_nul(v) for v in value]
+    return value
 
 
 @dataclass
@@ -44,6 +59,13 @@ class TurnRecord:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> TurnRecord:
         return cls(**data)
+
+    def scrubbed(self) -> TurnRecord:
+        """The record as it can be stored: no U+0000 in any text field."""
+        return replace(
+            self, request_messages=scrub_nul(self.request_messages), tools=scrub_nul(self.tools),
+            params=scrub_nul(self.params), response_message=scrub_nul(self.response_message),
+            session_external_id=scrub_nul(self.session_external_id), error=scrub_nul(self.error))
 
     def row(self) -> dict[str, Any]:
         """Column values for the `turns` insert (session columns are added by the caller)."""

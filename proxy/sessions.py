@@ -182,9 +182,11 @@ async def record_turns(conn: AsyncConnection, records: Sequence[TurnRecord], *,
         Turn.uid.in_([uuid.UUID(r.uid) for r in records])))).scalars())
     touched: set[uuid.UUID] = set()
     judged = inserted = 0
-    for rec in records:
-        if uuid.UUID(rec.uid) in stored:
+    for raw in records:
+        if uuid.UUID(raw.uid) in stored:
             continue
+        # Scrubbed before fingerprinting, so a reply and its resent copy still match.
+        rec = raw.scrubbed()
         outcome = await _record_turn(conn, rec, include_system, touched)
         if outcome is not None:
             inserted += 1

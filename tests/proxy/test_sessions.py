@@ -125,6 +125,22 @@ async def test_plain_chat_continues_and_enqueues_judge(db: AsyncEngine, db_url: 
     assert judge_jobs(db_url) == [r1["id"], r2["id"]]
 
 
+async def test_nul_characters_are_stored_and_still_continue(db: AsyncEngine,
+                                                              db_url: str) -> None:
+    # Postgres rejects U+0000 in text/JSONB; a reply containing one must not be dropped.
+    uid, _ = create_user(db_url, "nul")
+    log = Log(db, uid)
+    t1 = await log.turn([user("a\x00b")], assistant("re\x00ply"))
+    t2 = await log.turn([user("a\x00b"), assistant("re\x00ply"), user("and\x00more")],
+                        assistant("ok"))
+    r1, r2 = turn_row(db_url, t1), turn_row(db_url, t2)
+    assert r1["state"] == "continued" and r1["next_turn_id"] == r2["id"]
+    assert r1["next_state"] == [user("and\ufffdmore")]
+    stored = query(db_url, "SELECT response_message->>'content' FROM turns WHERE uid = %s",
+                   uuid.UUID(t1))
+    assert stored[0][0] == "re\ufffdply"
+
+
 async def test_tool_rounds_attach_all_tool_results(db: AsyncEngine, db_url: str) -> None:
     uid, _ = create_user(db_url, "bob")
     log = Log(db, uid)
