@@ -36,7 +36,7 @@ from sqlalchemy.exc import OperationalError
 
 from proxy.db import create_engine
 from proxy.settings import EngineSettings
-from trainer.backends.base import Backend, StepStats, make_backend
+from trainer.backends.base import Backend, BackendError, StepStats, make_backend
 from trainer.checkpoint import (
     drop_old_trainer_states,
     find_resume_point,
@@ -278,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     stop.install()
     try:
         train(settings, max_steps=args.max_steps, once=args.once, should_stop=stop)
-    except (CheckpointError, RolledBack) as exc:
+    except (CheckpointError, RolledBack, BackendError) as exc:
         print(f"clawrl train: {exc}", file=sys.stderr)
         return 1
     return 0

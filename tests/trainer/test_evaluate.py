@@ -126,19 +126,37 @@ def test_every_method_gets_the_same_trainer_settings_but_the_method() -> None:
     assert envs[0] == envs[1] == envs[2]
 
 
+@pytest.fixture(scope="session")
+def world_model_dir() -> Path:
+    """The full tiny world model, cached at .clawrl/models/tinyworld (the `clawrl up` and
+    `clawrl eval` default); built once (~10 min on 2 idle cores) when missing."""
+    from trainer.pretrain import FULL, build, is_built
+
+    path = Path(__file__).resolve().parents[2] / ".clawrl" / "models" / "tinyworld"
+    if not is_built(path, FULL):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        build(path, FULL, log=lambda _: None)
+    return path
+
+
 @pytest.mark.slow
 def test_learning_beats_no_training_through_the_real_stack(
-        small_world_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """CI-sized `clawrl eval`: rl vs none, same seeds, a few published versions."""
+        world_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`clawrl eval` through the real proxy, judge, trainer and engine: combine vs none on
+    the same seeds, a brevity-loving user, six published versions (~8 min).
+
+    The `--small` model is too weak a judge for the loop to learn from (its report.json:
+    PRM accuracy ~0.5), so this uses the pretrained tiny world model.
+    """
     server = os.environ.get("CLAWRL_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
     monkeypatch.setenv("CLAWRL_DATABASE__URL",
                        server.replace("postgresql://", "postgresql+psycopg://", 1))
     out = tmp_path / "eval"
-    code = evaluate.main(["--model", str(small_world_dir), "--methods", "rl,none",
-                          "--prefs", "lowercase", "--rounds", "4", "--sessions", "4",
-                          "--probes", "16", "--lr", "3e-4", "--out", str(out)])
+    code = evaluate.main(["--model", str(world_model_dir), "--methods", "combine,none",
+                          "--prefs", "brief", "--rounds", "6", "--out", str(out)])
     assert code == 0
     rows = json.loads((out / "results.json").read_text())["probes"]
-    last = {r["method"]: r for r in rows if r["round"] == 4}
-    assert last["rl"]["version"] not in ("0", None)
-    assert last["rl"]["satisfied"] >= last["none"]["satisfied"] + 0.15, rows
+    last = {r["method"]: r for r in rows if r["round"] == 6}
+    assert last["combine"]["version"] == "6" and last["none"]["version"] == "0"
+    assert last["combine"]["satisfied"] >= last["none"]["satisfied"] + 0.2, rows
+    assert (out / "curve.png").is_file()

@@ -36,6 +36,10 @@ from trainer.data import Batch, ModelLimits
 from trainer.loss import LossTerms, compute_advantages, policy_loss
 
 
+class BackendError(Exception):
+    """The backend cannot train this model or layout (the message says why, in one line)."""
+
+
 @dataclass
 class StepStats:
     status: str  # 'ok' | 'skipped'

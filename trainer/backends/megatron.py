@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from trainer.backends import megatron_compat as compat
-from trainer.backends.base import StepStats, micro_batch_loss, signal_mask
+from trainer.backends.base import BackendError, StepStats, micro_batch_loss, signal_mask
 from trainer.backends.megatron_batches import replica_micro_batches, token_logprobs
 from trainer.backends.megatron_checkpoint import (
     HFWeights,
@@ -66,6 +66,10 @@ def layout(cfg: TrainerSettings) -> tuple[int, int]:
     return int(getattr(cfg, "tp", 1)), int(getattr(cfg, "pp", 1))
 
 
+class LayoutError(BackendError, ValueError):
+    """tp / pp do not fit the number of processes, or are not positive."""
+
+
 class MegatronBackend:
     """megatron-core trainer; implements trainer.backends.base.Backend."""
 
@@ -80,9 +84,12 @@ class MegatronBackend:
             self.tp, self.pp = layout(self.cfg)
             with compat.megatron_context():
                 compat.init_model_parallel(self.tp, self.pp)
-        except Exception:
+        except BackendError:
             compat.shutdown_distributed()  # leave nothing half-initialised
             raise
+        except ValueError as exc:  # the world size does not fit tp × pp
+            compat.shutdown_distributed()
+            raise LayoutError(str(exc)) from exc
         self.device = torch.device("cuda", torch.cuda.current_device()) if compat.CUDA \
             else torch.device("cpu")
         # bf16 on a GPU turns on megatron's fused paths; CPU always runs fp32, unfused.
@@ -105,7 +112,7 @@ class MegatronBackend:
             raise ValueError("MegatronBackend on rank 0 needs the trainer settings")
         tp, pp = layout(cfg)
         if tp < 1 or pp < 1:
-            raise ValueError(f"tp and pp must be >= 1 (got tp {tp}, pp {pp})")
+            raise LayoutError(f"tp and pp must be >= 1 (got tp {tp}, pp {pp})")
         if cfg.lora.enabled:
             raise UnsupportedModelError(
                 "LoRA is not supported by the megatron backend (full fine-tuning only); "

@@ -33,10 +33,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from trainer.backends.base import BackendError
+
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 
 
-class UnsupportedModelError(ValueError):
+class UnsupportedModelError(BackendError, ValueError):
     """The HF model (or the parallel layout asked for) cannot be mapped to megatron-core."""
 
 
