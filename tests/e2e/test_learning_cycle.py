@@ -16,19 +16,16 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import psycopg
 import pytest
 import torch
-import uvicorn
+from proxyharness import create_user, running_proxy
 from sqlalchemy import text
 from sqlalchemy.engine import Engine
 
 from judge.config import load_judge_settings
 from judge.worker import Worker
-from proxy.app import create_app
-from proxy.auth import generate_key
-from proxy.db import create_async, create_engine, libpq_url
-from proxy.settings import EngineSettings, load_settings
+from proxy.db import create_async, create_engine
+from proxy.settings import EngineSettings
 from trainer.backends.torch import TorchBackend
 from trainer.checkpoint import save_checkpoint
 from trainer.config import Settings, TrainerSettings
@@ -62,32 +59,6 @@ async def wait_for(predicate: Callable[[], bool], timeout_s: float = 300) -> Non
         await asyncio.sleep(0.1)
 
 
-def create_user(db_url: str) -> str:
-    key = generate_key()
-    with psycopg.connect(libpq_url(db_url), autocommit=True) as conn:
-        row = conn.execute("INSERT INTO users (name) VALUES ('ada') RETURNING id").fetchone()
-        assert row is not None
-        conn.execute("INSERT INTO api_keys (user_id, prefix, secret_hash) VALUES (%s, %s, %s)",
-                     (row[0], key.prefix, key.hash))
-    return key.secret
-
-
-@contextlib.asynccontextmanager
-async def running_proxy(engine_url: str, db_url: str, tmp_path: Path) -> AsyncIterator[str]:
-    settings = load_settings(state_dir=tmp_path, engine={"url": engine_url},
-                             proxy={"journal_path": tmp_path / "journal.jsonl"})
-    server = uvicorn.Server(uvicorn.Config(create_app(settings, db_url=db_url), port=0,
-                                           host="127.0.0.1", log_level="warning", ws="none"))
-    task = asyncio.create_task(server.serve())
-    while not server.started:
-        if task.done():
-            task.result()
-        await asyncio.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        await task
 
 
 def scripted_judge(request: httpx.Request) -> httpx.Response:
@@ -131,7 +102,7 @@ async def test_chat_follow_up_judgment_step_publish_next_turn_has_new_version(
         engine_factory: Callable[..., str]) -> None:
     torch.set_num_threads(1)
     engine_url = engine_factory(tiny_model_dir)
-    key = create_user(db_url)
+    key = create_user(db_url, "ada")[1]
     first = [{"role": "user", "content": "What does Ada like?"}]
     headers = {"Authorization": f"Bearer {key}"}
     async with running_proxy(engine_url, db_url, tmp_path) as proxy_url, \
@@ -175,7 +146,7 @@ async def test_streams_across_a_swap_all_complete_and_are_stored(
         engine_factory: Callable[..., str]) -> None:
     torch.set_num_threads(1)
     engine_url = engine_factory(tiny_model_dir)
-    key = create_user(db_url)
+    key = create_user(db_url, "ada")[1]
     # A changed checkpoint v1 to swap in.
     backend = TorchBackend(TrainerSettings(batch_size=2, kl_coef=0.0, lr=1e-3, device="cpu"))
     backend.load(tiny_model_dir)

@@ -10,9 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import psycopg
-import uvicorn
 from judgedb import rows, wait_for
+from proxyharness import create_user, running_proxy
 from sqlalchemy import Engine
 from test_judge_engine import HINT, direct_logprobs
 from test_judge_worker import ScriptedJudge, settings_for
@@ -20,42 +19,13 @@ from test_judge_worker import ScriptedJudge, settings_for
 from judge.config import JudgeProcessSettings, load_judge_settings
 from judge.prompts import teacher_messages
 from judge.worker import Worker
-from proxy.app import create_app
-from proxy.auth import generate_key
-from proxy.db import create_async, libpq_url
-from proxy.settings import load_settings
+from proxy.db import create_async
 
 # The random test model rarely ends a reply by itself; common stop strings end it early so
 # the turn is not skipped as cut off by the length limit.
 STOP = [" ", "e", "a", "o", "t"]
 
 
-def create_user(db_url: str) -> str:
-    key = generate_key()
-    with psycopg.connect(libpq_url(db_url), autocommit=True) as conn:
-        row = conn.execute("INSERT INTO users (name) VALUES ('ada') RETURNING id").fetchone()
-        assert row is not None
-        conn.execute("INSERT INTO api_keys (user_id, prefix, secret_hash) VALUES (%s, %s, %s)",
-                     (row[0], key.prefix, key.hash))
-    return key.secret
-
-
-@contextlib.asynccontextmanager
-async def running_proxy(engine_url: str, db_url: str, tmp_path: Path) -> AsyncIterator[str]:
-    settings = load_settings(state_dir=tmp_path, engine={"url": engine_url},
-                             proxy={"journal_path": tmp_path / "journal.jsonl"})
-    server = uvicorn.Server(uvicorn.Config(create_app(settings, db_url=db_url), port=0,
-                                           host="127.0.0.1", log_level="warning", ws="none"))
-    task = asyncio.create_task(server.serve())
-    while not server.started:
-        if task.done():
-            task.result()
-        await asyncio.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        await task
 
 
 @contextlib.asynccontextmanager
@@ -101,7 +71,7 @@ def judged(db: Engine) -> bool:
 
 async def test_chat_turn_follow_up_and_policy_judgment(db: Engine, db_url: str,
                                                        engine_url: str, tmp_path: Path) -> None:
-    key = create_user(db_url)
+    key = create_user(db_url, "ada")[1]
     settings = load_judge_settings(database={"url": db_url}, engine={"url": engine_url},
                                    judge={"poll_interval_s": 0.1, "max_tokens": 16})
     async with running_proxy(engine_url, db_url, tmp_path) as proxy_url, \
@@ -118,7 +88,7 @@ async def test_chat_turn_follow_up_and_policy_judgment(db: Engine, db_url: str,
 
 async def test_chat_turn_to_reward_hint_teacher_logprobs_and_sample(
         db: Engine, db_url: str, engine_url: str, tiny_model_dir: Path, tmp_path: Path) -> None:
-    key = create_user(db_url)
+    key = create_user(db_url, "ada")[1]
     judge = ScriptedJudge(prm=["The user asks for lowercase. \\boxed{-1}"],
                           hint=[f"[HINT] {HINT} [/HINT]"])
     settings = settings_for(db_url, teacher_enabled=True, teacher_url=engine_url)

@@ -95,6 +95,18 @@ async def serve(app: FastAPI) -> AsyncIterator[str]:
         await task
 
 
+@contextlib.asynccontextmanager
+async def running_proxy(engine_url: str, db_url: str, state_dir: Any) -> AsyncIterator[str]:
+    """The real proxy app (default settings) on a free port; yields its base URL."""
+    from proxy.app import create_app
+    from proxy.settings import load_settings
+
+    settings = load_settings(state_dir=state_dir, engine={"url": engine_url},
+                             proxy={"journal_path": state_dir / "journal.jsonl"})
+    async with serve(create_app(settings, db_url=db_url)) as url:
+        yield url
+
+
 class TcpRelay:
     """A TCP forwarder to a real server that a test can cut and restore (an outage)."""
 
