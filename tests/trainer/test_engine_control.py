@@ -39,6 +39,18 @@ def v2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tinyworld.init_model_dir(tmp_path_factory.mktemp("v2") / "model", seed=1)
 
 
+async def last_generate_chunk(client: httpx.AsyncClient, body: dict[str, Any],
+                              started: asyncio.Event) -> dict[str, Any]:
+    """Stream `/generate`, set `started` at the first chunk, return the last chunk."""
+    last: dict[str, Any] = {}
+    async with client.stream("POST", "/generate", json=body) as r:
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                last = json.loads(line[6:])
+                started.set()
+    return last
+
+
 async def test_weight_update_during_streaming_fails_no_request(
         engine_factory: Any, tiny_model_dir: Path, v2_dir: Path) -> None:
     url = engine_factory(tiny_model_dir)
@@ -98,17 +110,7 @@ async def test_pause_retract_update_continue(
         "max_new_tokens": 400, "ignore_eos": True}, "stream": True}
     async with httpx.AsyncClient(base_url=url, timeout=120) as client:
         started = asyncio.Event()
-
-        async def run() -> dict[str, Any]:
-            last: dict[str, Any] = {}
-            async with client.stream("POST", "/generate", json=body) as r:
-                async for line in r.aiter_lines():
-                    if line.startswith("data: {"):
-                        last = json.loads(line[6:])
-                        started.set()
-            return last
-
-        task = asyncio.create_task(run())
+        task = asyncio.create_task(last_generate_chunk(client, body, started))
         await started.wait()
         paused = await client.post("/pause_generation", json={"mode": "retract"})
         assert paused.json() == {"message": "Generation paused successfully.", "status": "ok"}
@@ -136,17 +138,7 @@ async def test_pause_abort_ends_in_flight_requests(
             "stream": True}
     async with httpx.AsyncClient(base_url=url, timeout=120) as client:
         started = asyncio.Event()
-
-        async def run() -> dict[str, Any]:
-            last: dict[str, Any] = {}
-            async with client.stream("POST", "/generate", json=body) as r:
-                async for line in r.aiter_lines():
-                    if line.startswith("data: {"):
-                        last = json.loads(line[6:])
-                        started.set()
-            return last
-
-        task = asyncio.create_task(run())
+        task = asyncio.create_task(last_generate_chunk(client, body, started))
         await started.wait()
         await client.post("/pause_generation", json={})
         last = await task

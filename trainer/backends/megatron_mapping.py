@@ -297,6 +297,15 @@ def hf_to_megatron(
     return out
 
 
+# Per-layer parameters that map one-to-one (megatron suffix -> HF suffix), both directions.
+_SAME_SHAPE = {
+    "input_layernorm.weight": "input_layernorm.weight",
+    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+}
+
+
 def _layer(name: str, layer_offset: int) -> tuple[str, str]:
     """`decoder.layers.3.mlp…` → (`model.layers.{3+offset}.`, `mlp…`)."""
     _, _, index, rest = name.split(".", 3)
@@ -313,14 +322,8 @@ def _hf_full_tensor(hf: Any, s: dict[str, Tensor], name: str, offset: int) -> Te
     if not name.startswith("decoder.layers."):
         raise UnsupportedModelError(f"no HF weight maps to megatron parameter {name!r}")
     p, rest = _layer(name, offset)
-    simple = {
-        "input_layernorm.weight": "input_layernorm.weight",
-        "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
-        "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
-        "mlp.linear_fc2.weight": "mlp.down_proj.weight",
-    }
-    if rest in simple:
-        return s[p + simple[rest]]
+    if rest in _SAME_SHAPE:
+        return s[p + _SAME_SHAPE[rest]]
     if rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
         kind = rest.rsplit(".", 1)[1]
         return pack_qkv(
@@ -353,14 +356,8 @@ def megatron_to_hf(
     if name == "decoder.final_layernorm.weight":
         return {"model.norm.weight": full}
     p, rest = _layer(name, layer_offset)
-    simple = {
-        "input_layernorm.weight": "input_layernorm.weight",
-        "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
-        "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
-        "mlp.linear_fc2.weight": "mlp.down_proj.weight",
-    }
-    if rest in simple:
-        return {p + simple[rest]: full}
+    if rest in _SAME_SHAPE:
+        return {p + _SAME_SHAPE[rest]: full}
     if rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
         kind = rest.rsplit(".", 1)[1]
         q, k, v = unpack_qkv(hf, full)
