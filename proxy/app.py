@@ -6,9 +6,10 @@ Settings come from the environment (`CLAWRL_ENGINE__URL`, `CLAWRL_DATABASE__URL`
 see proxy/settings.py); with no database URL an embedded Postgres is started. The database
 must be migrated (`clawrl db upgrade`; `clawrl up` does it).
 
-Shared resources live in the lifespan: one `httpx.AsyncClient` to the engine, one async
-SQLAlchemy engine, and the background tasks — the turn writer, the session-timeout sweep
-and the weight-version poll.
+Shared resources live in the lifespan: the engine connections (a lean keep-alive pool for
+chat, proxy/engine_http.py, and one `httpx.AsyncClient` for the rest), one async SQLAlchemy
+engine, and the background tasks — the turn writer, the session-timeout sweep and the
+weight-version poll. `POST /v1/chat/completions` skips FastAPI's layers (`ProxyApp`).
 """
 
 from __future__ import annotations
@@ -29,8 +30,11 @@ from pydantic import ValidationError
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from proxy.auth import Authenticator
+from proxy.chat import ChatEndpoint
 from proxy.db import create_async
 from proxy.errors import ClawrlError, NotFound
 from proxy.journal import Journal
@@ -39,7 +43,7 @@ from proxy.routes import router
 from proxy.sessions import close_stale_turns
 from proxy.settings import Settings, load_settings
 from proxy.store import TurnWriter
-from proxy.upstream import Upstream, create_client
+from proxy.upstream import CHAT_PATH, Upstream, create_client, create_pool
 
 log = logging.getLogger("clawrl.proxy")
 
@@ -80,6 +84,21 @@ async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
     return _error_response(ClawrlError("The proxy failed unexpectedly."))
 
 
+class ProxyApp(FastAPI):
+    """FastAPI, except that `POST /v1/chat/completions` goes straight to its endpoint
+    (through the metrics middleware only): FastAPI's middleware stack costs more CPU per
+    request than the whole relay, and the chat route needs none of it."""
+
+    fast_chat: ASGIApp | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (self.fast_chat is not None and scope["type"] == "http"
+                and scope["path"] == CHAT_PATH and scope["method"] == "POST"):
+            await self.fast_chat(scope, receive, send)
+            return
+        await super().__call__(scope, receive, send)
+
+
 def create_app(settings: Settings, *, db_url: str | None = None,
                engine_transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:
     """The proxy app. `db_url` defaults to `settings.database.url`; `engine_transport`
@@ -96,9 +115,11 @@ def create_app(settings: Settings, *, db_url: str | None = None,
         db = create_async(db_url, pool_size=settings.database.pool_size,
                           connect_args={"connect_timeout": 5})
         client = create_client(settings.engine, engine_transport)
+        # An injected transport (tests' fault injection) serves chat requests too.
+        pool = create_pool(settings.engine) if engine_transport is None else None
         writer = TurnWriter(db, journal, include_system=cfg.fingerprint_system)
         app.state.db, app.state.writer = db, writer
-        app.state.upstream = Upstream(client)
+        app.state.upstream = Upstream(client, pool)
         app.state.authenticator = Authenticator(db, cfg)
         writer.start()
 
@@ -117,11 +138,11 @@ def create_app(settings: Settings, *, db_url: str | None = None,
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             await writer.stop()
-            await client.aclose()
+            await app.state.upstream.aclose()
             await db.dispose()
 
     # FastAPI's own OpenTelemetry hooks are off: /metrics covers this, per request for less.
-    app = FastAPI(title="clawrl proxy", lifespan=lifespan, docs_url=None, redoc_url=None,
+    app = ProxyApp(title="clawrl proxy", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None, telemetry={"tracing": False, "metrics": False,
                                                "logs": False, "operation_spans": False})
     app.state.settings = settings
@@ -133,6 +154,10 @@ def create_app(settings: Settings, *, db_url: str | None = None,
     app.add_exception_handler(ClawrlError, _on_clawrl_error)
     app.add_exception_handler(StarletteHTTPException, _on_http_error)
     app.add_exception_handler(Exception, _on_unexpected)
+    chat = ChatEndpoint(app.state)
+    app.fast_chat = MetricsMiddleware(chat, metrics=app.state.metrics)
+    # Also a regular route: other methods get 405, and ASGI test transports reach it.
+    app.router.routes.append(Route(CHAT_PATH, chat, methods=["POST"]))
     app.include_router(router)
     try:  # H2b's admin API, when present
         admin = importlib.import_module("proxy.admin")

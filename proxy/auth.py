@@ -182,18 +182,28 @@ class Authenticator:
         """The key's principal, from the cache when fresh, else from Postgres.
 
         Concurrent misses for one key share a single lookup (no stampede at TTL expiry).
+        A key in use is refreshed ahead, in the background, once its entry is past half
+        its TTL, so an active key's requests never wait for the database (a revocation
+        still takes effect within the TTL).
         """
         digest = hash_secret(full_key)
         hit = self._cache.get(digest)
-        if hit is not None and self._clock() < hit.fresh_until:
-            return hit.principal
-        pending = self._lookups.get(digest)
-        if pending is None:
-            pending = asyncio.ensure_future(self._refresh(digest, full_key, hit))
-            self._lookups[digest] = pending
-            pending.add_done_callback(lambda done: self._lookup_done(digest, done))
+        if hit is not None:
+            now = self._clock()
+            if now < hit.fresh_until:
+                if now >= hit.fresh_until - self._ttl_s / 2 and digest not in self._lookups:
+                    self._lookup(digest, full_key, hit)
+                return hit.principal
+        pending = self._lookups.get(digest) or self._lookup(digest, full_key, hit)
         # Shielded: a waiter that is cancelled (client gone) does not cancel the others' lookup.
         return await asyncio.shield(pending)
+
+    def _lookup(self, digest: str, full_key: str,
+                hit: _Cached | None) -> asyncio.Future[Principal]:
+        pending = asyncio.ensure_future(self._refresh(digest, full_key, hit))
+        self._lookups[digest] = pending
+        pending.add_done_callback(lambda done: self._lookup_done(digest, done))
+        return pending
 
     def _lookup_done(self, digest: str, done: asyncio.Future[Principal]) -> None:
         if self._lookups.get(digest) is done:

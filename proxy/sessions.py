@@ -32,6 +32,7 @@ from typing import Any
 
 from sqlalchemy import Table, bindparam, func, select, text, update
 from sqlalchemy.dialects.postgresql import BYTEA, JSONB
+from sqlalchemy.dialects.postgresql import UUID as PG_UUID
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 from sqlalchemy.types import ARRAY
@@ -131,6 +132,8 @@ _MATCH = (
 _TURNS: Table = Turn.__table__  # type: ignore[assignment]
 _INSERT_TURN = (pg_insert(_TURNS).on_conflict_do_nothing(index_elements=[_TURNS.c.uid])
                 .returning(_TURNS.c.id))
+_STORED = select(_TURNS.c.uid).where(
+    _TURNS.c.uid == func.any(bindparam("uids", type_=ARRAY(PG_UUID(as_uuid=True)))))
 _CONTINUE = (update(_TURNS).where(_TURNS.c.id == bindparam("matched_id"))
              .values(state="continued", next_state=bindparam("messages", type_=JSONB),
                      next_turn_id=bindparam("new_id"), next_state_at=func.now()))
@@ -153,15 +156,24 @@ async def _find_continued(conn: AsyncConnection, rec: TurnRecord, session_id: uu
     return row, length
 
 
+def _session_upsert(done: bool) -> Any:
+    """Create the session, or bump its `last_turn_at` (closing it when `done`)."""
+    closed_at = func.now() if done else None
+    return (pg_insert(_SESSIONS)
+            .values(id=bindparam("session_id"), user_id=bindparam("owner_id"),
+                    external_id=bindparam("external_id"), closed_at=closed_at)
+            .on_conflict_do_update(index_elements=[_SESSIONS.c.id],
+                                   set_={"last_turn_at": func.now(), "closed_at": closed_at}))
+
+
+_SESSIONS: Table = ChatSession.__table__  # type: ignore[assignment]
+_UPSERT_SESSION = {done: _session_upsert(done) for done in (False, True)}
+
+
 async def _upsert_session(conn: AsyncConnection, rec: TurnRecord, session_id: uuid.UUID,
                           external_id: str | None) -> None:
-    stmt = pg_insert(ChatSession).values(
-        id=session_id, user_id=rec.user_id, external_id=external_id,
-        closed_at=func.now() if rec.session_done else None)
-    await conn.execute(stmt.on_conflict_do_update(
-        index_elements=[ChatSession.id],
-        set_={"last_turn_at": func.now(),
-              "closed_at": func.now() if rec.session_done else None}))
+    await conn.execute(_UPSERT_SESSION[rec.session_done], {
+        "session_id": session_id, "owner_id": rec.user_id, "external_id": external_id})
 
 
 async def _next_index(conn: AsyncConnection, session_id: uuid.UUID) -> int:
@@ -178,8 +190,8 @@ async def record_turns(conn: AsyncConnection, records: Sequence[TurnRecord], *,
     Work that does not depend on the order is done once per batch: the duplicate check,
     `last_turn_at` of continued sessions and the job notification.
     """
-    stored = set((await conn.execute(select(Turn.uid).where(
-        Turn.uid.in_([uuid.UUID(r.uid) for r in records])))).scalars())
+    stored = set((await conn.execute(_STORED, {
+        "uids": [uuid.UUID(r.uid) for r in records]})).scalars())
     touched: set[uuid.UUID] = set()
     judged = inserted = 0
     for raw in records:

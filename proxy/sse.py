@@ -21,11 +21,9 @@ from typing import Any
 import anyio
 import httpx
 import orjson
-from starlette.responses import StreamingResponse
-from starlette.types import Receive, Scope, Send
 
 from proxy.errors import ClawrlError, UpstreamError
-from proxy.upstream import translate
+from proxy.upstream import ChatStream, translate
 
 DONE = b"data: [DONE]\n\n"
 
@@ -90,7 +88,7 @@ class StreamCollector:
         return message
 
 
-async def iter_data(response: httpx.Response) -> AsyncIterator[list[bytes]]:
+async def iter_data(response: ChatStream) -> AsyncIterator[list[bytes]]:
     """The `data` payloads of server-sent events as soon as their blocks are complete,
     grouped by the network read that completed them (so a burst is relayed in one send)."""
     buffer = b""
@@ -137,7 +135,7 @@ def client_chunk(chunk: dict[str, Any], *, wants_logprobs: bool) -> bytes | None
 Finish = Callable[[StreamCollector, str, str | None], None]
 
 
-async def relay(upstream: httpx.Response, *, wants_logprobs: bool,
+async def relay(upstream: ChatStream, *, wants_logprobs: bool,
                 finish: Finish) -> AsyncIterator[bytes]:
     """Forward an open engine stream; `finish(collector, status, error)` runs exactly once."""
     collector = StreamCollector()
@@ -184,16 +182,3 @@ async def relay(upstream: httpx.Response, *, wants_logprobs: bool,
             await upstream.aclose()
         finish(collector, status, error)
 
-
-class RelayResponse(StreamingResponse):
-    """A StreamingResponse that always closes its iterator when the response ends, so a
-    client that disconnects closes the upstream request now, not at garbage collection."""
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            closer = getattr(self.body_iterator, "aclose", None)
-            if closer is not None:
-                with anyio.CancelScope(shield=True):
-                    await closer()

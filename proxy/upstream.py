@@ -6,7 +6,9 @@ non-streaming `logprobs` + `return_token_ids`; streaming `logprobs` + the `sglex
 fields, which SGLang sends in one final `choices: []` chunk. What the client did not ask
 for is stripped from the answer again (see `client_view` and proxy/sse.py).
 
-This module is the one boundary where httpx and engine HTTP errors become proxy errors:
+Chat requests go over a lean keep-alive pool (proxy/engine_http.py, which raises httpx's
+exception types); the rarely used routes over one `httpx.AsyncClient`. This module is the
+one boundary where transport and engine HTTP errors become proxy errors:
 engine unreachable -> 502, engine too slow -> 504, engine rejects the request (4xx) -> 400
 with the engine's own message.
 """
@@ -14,12 +16,14 @@ with the engine's own message.
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 import orjson
 
+from proxy.engine_http import EnginePool, EngineResponse
 from proxy.errors import BadRequest, ClawrlError, UpstreamError, UpstreamTimeout
 from proxy.settings import EngineSettings
 
@@ -143,37 +147,76 @@ def _version(value: Any) -> str | None:
     return None if value is None else str(value)
 
 
-class Upstream:
-    """Calls to the engine over the process's shared `httpx.AsyncClient`."""
+class ChatStream(Protocol):
+    """An open streamed engine response (httpx's or proxy/engine_http.py's)."""
 
-    def __init__(self, client: httpx.AsyncClient) -> None:
+    def aiter_bytes(self) -> AsyncIterator[bytes]: ...
+
+    async def aclose(self) -> None: ...
+
+
+def create_pool(settings: EngineSettings) -> EnginePool:
+    """The lean connection pool for chat requests (proxy/engine_http.py)."""
+    headers = {}
+    if settings.api_key is not None:
+        headers["Authorization"] = f"Bearer {settings.api_key.get_secret_value()}"
+    return EnginePool(settings.url, headers=headers,
+                      connect_timeout_s=settings.connect_timeout_s,
+                      read_timeout_s=settings.read_timeout_s,
+                      max_connections=settings.max_connections)
+
+
+class Upstream:
+    """Calls to the engine: chat requests over the lean `pool` when given (the hot path),
+    everything else — and chat too when there is no pool, e.g. a test's injected httpx
+    transport — over the process's shared `httpx.AsyncClient`."""
+
+    def __init__(self, client: httpx.AsyncClient, pool: EnginePool | None = None) -> None:
         self.client = client
+        self.pool = pool
         # Last version read from /model_info; used for streamed turns, whose chunks carry
         # no weight version on SGLang.
         self.weight_version: str | None = None
 
+    async def aclose(self) -> None:
+        if self.pool is not None:
+            await self.pool.aclose()
+        await self.client.aclose()
+
     async def chat(self, body: dict[str, Any]) -> dict[str, Any]:
         try:
-            response = await self.client.post(CHAT_PATH, content=orjson.dumps(body),
-                                              headers=_JSON)
+            if self.pool is not None:
+                response = await self.pool.post(CHAT_PATH, orjson.dumps(body))
+                try:
+                    status, content = response.status_code, await response.aread()
+                finally:  # a no-op after a complete read; else the connection is dropped
+                    await response.aclose()
+            else:
+                reply = await self.client.post(CHAT_PATH, content=orjson.dumps(body),
+                                               headers=_JSON)
+                status, content = reply.status_code, reply.content
         except httpx.HTTPError as exc:
             raise translate(exc) from exc
-        if response.status_code != 200:
-            raise error_for_status(response.status_code, response.content)
+        if status != 200:
+            raise error_for_status(status, content)
         try:
-            data = orjson.loads(response.content)
+            data = orjson.loads(content)
         except orjson.JSONDecodeError as exc:
             raise UpstreamError("The engine answered with invalid JSON.") from exc
         if not isinstance(data, dict):
             raise UpstreamError("The engine answered with an unexpected JSON shape.")
         return data
 
-    async def open_chat_stream(self, body: dict[str, Any]) -> httpx.Response:
+    async def open_chat_stream(self, body: dict[str, Any]) -> ChatStream:
         """Send a streaming request; the caller owns (and must close) the response."""
-        request = self.client.build_request("POST", CHAT_PATH, content=orjson.dumps(body),
-                                            headers=_JSON)
+        response: EngineResponse | httpx.Response
         try:
-            response = await self.client.send(request, stream=True)
+            if self.pool is not None:
+                response = await self.pool.post(CHAT_PATH, orjson.dumps(body))
+            else:
+                request = self.client.build_request("POST", CHAT_PATH,
+                                                    content=orjson.dumps(body), headers=_JSON)
+                response = await self.client.send(request, stream=True)
         except httpx.HTTPError as exc:
             raise translate(exc) from exc
         if response.status_code != 200:

@@ -167,9 +167,8 @@ def engine_url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
         engine.stop()
 
 
-# --- the pretrained tiny world model, test size (trainer/pretrain.py) ---
+# --- the pretrained tiny world models, test and CI sizes (trainer/pretrain.py) ---
 
-import fcntl  # noqa: E402
 import hashlib  # noqa: E402
 
 _REPO = Path(__file__).resolve().parent.parent
@@ -184,19 +183,64 @@ def _tinyworld_code_hash() -> str:
     return h.hexdigest()[:12]
 
 
-@pytest.fixture(scope="session")
-def small_world_dir() -> Path:
-    """The `--small` pretrained tiny world model, built once per code version.
+# Builds a tiny world model into argv[1] with the build flag argv[2], under the cache lock
+# (parallel test runs never build the same one twice; a finished build is reused).
+_BUILD_LOCKED = """
+import fcntl, subprocess, sys
+from pathlib import Path
+path = Path(sys.argv[1])
+with open(path.parent / "tinyworld.lock", "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    if not (path / "tinyworld.json").is_file():
+        subprocess.run([sys.executable, "-m", "trainer.tinyworld", "build", str(path),
+                        sys.argv[2]], check=True)
+"""
+_background_builds: dict[str, subprocess.Popen[bytes]] = {}
 
-    Cached under .clawrl/test-cache/tinyworld-small-<hash of the corpus code> (a lock keeps
-    parallel test runs from building it twice); built in a child process (~40-90 s).
-    """
+
+def _world_path(flag: str) -> Path:
     cache = _REPO / ".clawrl" / "test-cache"
     cache.mkdir(parents=True, exist_ok=True)
-    path = cache / f"tinyworld-small-{_tinyworld_code_hash()}"
-    with open(cache / "tinyworld.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (path / "tinyworld.json").is_file():
-            subprocess.run([sys.executable, "-m", "trainer.tinyworld", "build", str(path),
-                            "--small"], check=True, capture_output=True, text=True, cwd=_REPO)
+    return cache / f"tinyworld-{flag.lstrip('-')}-{_tinyworld_code_hash()}"
+
+
+def _start_build(flag: str) -> subprocess.Popen[bytes]:
+    path = _world_path(flag)
+    with open(path.with_suffix(".log"), "wb") as log:  # the child keeps its own descriptor
+        return subprocess.Popen([sys.executable, "-c", _BUILD_LOCKED, str(path), flag],
+                                cwd=_REPO, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL)
+
+
+def _built_world(flag: str) -> Path:
+    path = _world_path(flag)
+    proc = _background_builds.pop(flag, None)
+    if proc is None and (path / "tinyworld.json").is_file():
+        return path
+    proc = proc or _start_build(flag)
+    if proc.wait() != 0:
+        tail = path.with_suffix(".log").read_text(errors="replace")[-2000:]
+        raise RuntimeError(f"building the tiny world model ({flag}) failed:\n{tail}")
     return path
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the CI-sized model's build (~5 min, one core) as soon as a collected test needs
+    it, so it runs while the tests before that one do."""
+    if any("ci_world_dir" in getattr(item, "fixturenames", ()) for item in session.items):
+        if not (_world_path("--ci") / "tinyworld.json").is_file():
+            _background_builds["--ci"] = _start_build("--ci")
+
+
+@pytest.fixture(scope="session")
+def small_world_dir() -> Path:
+    """The `--small` pretrained tiny world model (test size, ~40-90 s), built once per code
+    version under .clawrl/test-cache/tinyworld-small-<hash of the corpus code>."""
+    return _built_world("--small")
+
+
+@pytest.fixture(scope="session")
+def ci_world_dir() -> Path:
+    """The CI-sized tiny world model (`tinyworld build --ci`, ~5 min), what `clawrl eval
+    --small` learns with; its build starts when the test session does."""
+    return _built_world("--ci")

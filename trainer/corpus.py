@@ -38,15 +38,23 @@ from trainer.world import (
     Style,
     World,
     apply_case,
+    fact_correction,
+    fact_hint,
+    fact_sentence,
     render_reply,
     restyle,
     satisfies,
+    wrap_correction,
+    wrong_world,
 )
 
 TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "judge" / "templates"
 JUDGE_VERSION = "v1"
 CONTEXT_MESSAGES = 4  # judge/prompts.py CONTEXT_MESSAGES
 MIX = {"chat": 0.40, "hinted": 0.26, "prm": 0.17, "hint": 0.17}
+# Share of judged turns whose reply states a wrong fact (the user corrects it), and of
+# hinted examples whose hint is such a fact.
+FACT_SHARE = 0.15
 SYSTEM_PROMPTS = ("You are a helpful assistant.", "You answer questions about the town.",
                   "Be helpful and accurate.")
 Message = dict[str, Any]
@@ -144,7 +152,8 @@ def chat_example(world: World, rng: random.Random) -> list[Message]:
     for _ in range(rng.choice((0, 1, 1, 2))):
         wrong = _violated(rng, reply["content"], pref)
         if wrong is not None:
-            chat.messages.append({"role": "user", "content": rng.choice(CORRECTIONS[wrong])})
+            chat.messages.append({"role": "user",
+                                  "content": wrap_correction(rng.choice(CORRECTIONS[wrong]), rng)})
             chat.style = restyle(chat.style, wrong, rng)
         elif _praise_or_move_on(chat) == "thanks":
             welcome = chat.rng.choice(("You're welcome!", "Glad it helped."))
@@ -166,17 +175,36 @@ def hinted_example(world: World, rng: random.Random) -> list[Message]:
         chat.ask(rng.choice(world.train), rng.choice(("", rng.choice(PRAISE) + " ")))
     else:
         chat.ask(rng.choice(world.train))
-    pref = rng.choice(EVAL_PREFERENCES + PREFERENCES)
     last = chat.messages[-1]
-    last["content"] = teacher_content(last["content"], rng.choice(HINTS[pref]))
-    chat.style = restyle(Style.random(rng), pref, rng)
+    assert chat.question is not None
+    if rng.random() < FACT_SHARE:  # a fact hint: the reply states it, in any style
+        last["content"] = teacher_content(
+            last["content"], fact_hint(fact_sentence(world, chat.question, rng)))
+        chat.style = Style.random(rng)
+    else:
+        pref = rng.choice(EVAL_PREFERENCES + PREFERENCES)
+        last["content"] = teacher_content(last["content"], rng.choice(HINTS[pref]))
+        chat.style = restyle(Style.random(rng), pref, rng)
     chat.reply()
     return chat.messages
 
 
-def _judged_turn(world: World, rng: random.Random) -> tuple[list[Message], Message,
-                                                             list[Message], str | None, int]:
-    """A turn and its next state: (request, reply, next_state, violated pref, label)."""
+@dataclass
+class JudgedTurn:
+    """A turn, its next state and what a judge should say: the label, and for a correction
+    the reason and the hint it implies."""
+
+    request: list[Message]
+    reply: Message
+    next_state: list[Message]
+    label: int
+    reason: str | None = None
+    hint: str | None = None
+
+
+def _judged_turn(world: World, rng: random.Random) -> JudgedTurn:
+    """A turn and its next state: praise, a move on, a style correction about something the
+    reply violates, a neutral message, or (for a wrong answer) a correction of the fact."""
     chat = _start(world, rng)
     if rng.random() < 0.25:  # an earlier exchange in the context
         chat.ask(rng.choice(world.train))
@@ -185,20 +213,32 @@ def _judged_turn(world: World, rng: random.Random) -> tuple[list[Message], Messa
     else:
         chat.ask(rng.choice(world.train))
     request = list(chat.messages)
+    question = chat.question
+    assert question is not None
+    if rng.random() < FACT_SHARE:  # a wrong answer; the user states the true fact
+        right = chat.world
+        chat.world = wrong_world(right, question, rng)
+        reply = chat.reply()
+        fact = fact_sentence(right, question, rng)
+        chat.messages.append({"role": "user", "content": wrap_correction(
+            fact_correction(fact, rng, fresh=False), rng, suffix=False)})
+        return JudgedTurn(request, reply, chat.messages[-1:], -1, FACT_REASON, fact_hint(fact))
     reply = chat.reply()
     n = len(chat.messages)
     if rng.random() < 0.1:
         chat.messages.append({"role": "user", "content": rng.choice(NEUTRAL)})
-        return request, reply, chat.messages[n:], None, 0
+        return JudgedTurn(request, reply, chat.messages[n:], 0)
     # Corrections half the time, always about something the reply actually violates.
     unmet = [p for p in PREFERENCES if not satisfies(p, reply["content"])]
     if unmet and rng.random() < 0.5:
         pref = rng.choice([p for p in unmet if p in EVAL_PREFERENCES] or unmet) \
             if rng.random() < 0.6 else rng.choice(unmet)
-        chat.messages.append({"role": "user", "content": rng.choice(CORRECTIONS[pref])})
-        return request, reply, chat.messages[n:], pref, -1
+        chat.messages.append({"role": "user",
+                              "content": wrap_correction(rng.choice(CORRECTIONS[pref]), rng)})
+        return JudgedTurn(request, reply, chat.messages[n:], -1,
+                          f"The user asks for {ISSUE_WORDS[pref]}.", rng.choice(HINTS[pref]))
     _praise_or_move_on(chat)
-    return request, reply, chat.messages[n:], None, 1
+    return JudgedTurn(request, reply, chat.messages[n:], 1)
 
 
 PRM_REASONS = {
@@ -208,20 +248,23 @@ PRM_REASONS = {
 }
 
 
-def prm_answer(label: int, pref: str | None, rng: random.Random) -> str:
-    reason = (f"The user asks for {ISSUE_WORDS[pref]}." if label == -1 and pref
-              else rng.choice(PRM_REASONS[label]))
-    return f"{reason} \\boxed{{{label}}}"
+FACT_REASON = "The user says the answer is wrong."
 
 
-def hint_answer(pref: str | None, rng: random.Random) -> str:
-    return f"[HINT] {rng.choice(HINTS[pref])} [/HINT]" if pref else "[NO_HINT]"
+def prm_answer(turn: JudgedTurn, rng: random.Random) -> str:
+    reason = turn.reason or rng.choice(PRM_REASONS[turn.label])
+    return f"{reason} \\boxed{{{turn.label}}}"
+
+
+def hint_answer(turn: JudgedTurn) -> str:
+    return f"[HINT] {turn.hint} [/HINT]" if turn.hint else "[NO_HINT]"
 
 
 def judge_example(kind: str, world: World, rng: random.Random) -> list[Message]:
-    request, reply, next_state, pref, label = _judged_turn(world, rng)
-    answer = prm_answer(label, pref, rng) if kind == "prm" else hint_answer(pref, rng)
-    return [{"role": "user", "content": judge_prompt(kind, request, reply, next_state)},
+    turn = _judged_turn(world, rng)
+    answer = prm_answer(turn, rng) if kind == "prm" else hint_answer(turn)
+    return [{"role": "user", "content": judge_prompt(kind, turn.request, turn.reply,
+                                                     turn.next_state)},
             {"role": "assistant", "content": answer}]
 
 

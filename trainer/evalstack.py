@@ -29,13 +29,13 @@ __all__ = ["StackError", "ensure_model", "loop_state", "run_method", "wait_judge
 
 def ensure_model(model: Path, small: bool = False) -> Path:
     """The model dir to serve: any Hugging Face model dir as it is, else the tiny world
-    model built (and cached) there."""
-    from trainer.pretrain import FULL, SMALL, build
+    model built (and cached) there (`small`: the CI-sized build)."""
+    from trainer.pretrain import CI, FULL, build
 
     if (model / "config.json").is_file():
         return model
     model.parent.mkdir(parents=True, exist_ok=True)
-    return build(model, SMALL if small else FULL)
+    return build(model, CI if small else FULL)
 
 
 def _free_port() -> int:
@@ -129,7 +129,7 @@ def run_method(config: EvalConfig, method: str,
     """Start a fresh stack for `method`, run the rounds, stop everything; the probe rows."""
     from proxy.dbcli import resolve_url, stop_embedded
     from proxy.settings import load_settings
-    from trainer.evaluate import run_rounds, trainer_env
+    from trainer.evaluate import run_rounds, stack_env
 
     state = (config.out / method).resolve()
     state.mkdir(parents=True, exist_ok=True)
@@ -144,7 +144,7 @@ def run_method(config: EvalConfig, method: str,
     env = {**os.environ, "CLAWRL_DATABASE__URL": db_url, "CLAWRL_STATE_DIR": str(state),
            "CLAWRL_ENGINE__URL": engine_url, "CLAWRL_PROXY__HOST": HOST,
            "CLAWRL_PROXY__PORT": str(proxy_port), "PYTHONUNBUFFERED": "1",
-           **trainer_env(config, method), **config.extra_env}
+           **stack_env(config, method), **config.extra_env}
     stack = Stack(state, env)
     try:
         engine = stack.start("engine", ["engine", "--model", str(config.model.resolve()),

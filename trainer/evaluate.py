@@ -9,9 +9,11 @@ trainer with that method), create one user and API key per simulated user, then 
 `--rounds` rounds: the users chat (trainer/simulate.py: questions, corrections of their hidden
 preference, praise) until the judge has produced a full training batch; the trainer trains
 it and publishes the next weight version (one version per round; the trainer is told to
-train full batches, or a partial one after 120 s
+train full batches, or a partial one after 45 s
 when the users stop producing signal); then every user probes held-out prompts as side turns. Round 0 is
 the base model; `none` chats `--sessions` sessions per user per round and never trains.
+Each user holds `--parallel` conversations at once (a chat app has many users; the engine
+batches their requests), each with its own seeded RNG.
 
 Output in `--out`: results.json (every probe with the served version's training stats,
 and the settings), a table on stdout
@@ -19,7 +21,9 @@ and the settings), a table on stdout
 curve.png (satisfaction per round, one line per method and preference).
 
 The model defaults to `<state_dir>/models/tinyworld` (built with `clawrl tinyworld build`
-when missing; `--small` uses the test-sized build, for CI). Postgres: `CLAWRL_DATABASE__URL`
+when missing); `--small` is a CI-sized run: the CI-sized build (`tinyworld build --ci`,
+`<state_dir>/models/tinyworld-ci`), `combine` against `none`, one lowercase-loving user, 4
+rounds. Postgres: `CLAWRL_DATABASE__URL`
 (a fresh database per method is created on that server), else an embedded server per method.
 """
 
@@ -39,6 +43,8 @@ from typing import Any
 from trainer.world import EVAL_PREFERENCES, World
 
 METHODS = ("combine", "rl", "opd", "none")
+SMALL_ROUNDS = 4  # `--small`: a CI-sized run
+PARTIAL_AFTER_S = 45
 # Label of the rows measured on an already running stack (`--proxy-url`): whatever it trains.
 CONNECTED = "connected"
 
@@ -51,17 +57,19 @@ class EvalConfig:
     prefs: tuple[str, ...] = ("lowercase", "brief")
     users_per_pref: int = 1
     rounds: int = 8
-    sessions: int = 3  # chat sessions per user per round for `none` (about what a batch takes)
-    # Cap on chat sessions per user per round while a batch fills. A policy that already
-    # satisfies its users earns few corrections (for `opd`: few hints), so a batch may not
-    # fill; the trainer then trains what it has after MAX_WAIT_S (a partial batch).
-    max_chats: int = 8
-    probes: int = 32
+    sessions: int = 8  # chat sessions per user per round for `none` (about what a batch takes)
+    parallel: int = 4  # concurrent chat sessions per user
+    # Cap on waves of `parallel` sessions per user per round while a batch fills. A policy
+    # that already satisfies its users earns few corrections (for `opd`: few hints), so a
+    # batch may not fill; the trainer then trains what it has after MAX_WAIT_S (partial).
+    max_chats: int = 4
+    probes: int = 64
     seed: int = 0
     world_seed: int = 0
-    # Measured on the tiny world model (see README): 3e-4 x 32 samples learns within 8
-    # versions and keeps answers ~right; 6e-4 collapses answer accuracy even with KL 0.3.
-    lr: float = 3e-4
+    # Measured on the tiny world model (README, "See it learn"): with users who also correct
+    # wrong answers, 3e-4 x 32 samples per version is too slow (0.6-0.75 at v8), 6e-4 just
+    # reaches 0.9 at v8, 8e-4 by v4-v6, 1e-3 by v3-v5 with answer accuracy wobbling more.
+    lr: float = 8e-4
     kl_coef: float = 0.05
     batch_size: int = 32
     round_timeout_s: float = 900.0
@@ -72,15 +80,20 @@ class EvalConfig:
     extra_env: dict[str, str] = field(default_factory=dict)
 
 
-def trainer_env(config: EvalConfig, method: str) -> dict[str, str]:
-    """Trainer settings of one method's stack (the same for every method but the method)."""
-    return {"CLAWRL_TRAINER__METHOD": method, "CLAWRL_TRAINER__LR": str(config.lr),
+def stack_env(config: EvalConfig, method: str) -> dict[str, str]:
+    """Trainer and judge settings of one method's stack (the same for every method but the
+    method). The judge works on as many turns at once as the users hold conversations, so
+    the engine batches its votes with the users' requests."""
+    return {"CLAWRL_JUDGE__CONCURRENCY": str(max(4, config.parallel * len(config.prefs)
+                                                 * config.users_per_pref)),"CLAWRL_TRAINER__METHOD": method, "CLAWRL_TRAINER__LR": str(config.lr),
             "CLAWRL_TRAINER__KL_COEF": str(config.kl_coef),
             "CLAWRL_TRAINER__BATCH_SIZE": str(config.batch_size),
             "CLAWRL_TRAINER__MICRO_BATCH_SIZE": str(min(8, config.batch_size)),
             # Full batches, normally: the eval chats until one is ready (one version per
-            # round); a batch that cannot fill is trained after 120 s (see max_chats).
-            "CLAWRL_TRAINER__MAX_WAIT_S": "120", "CLAWRL_TRAINER__POLL_S": "0.5",
+            # round); a batch that cannot fill (a policy that earns few corrections gives
+            # `opd` few hints) is trained PARTIAL_AFTER_S after its first sample arrived,
+            # about the time `max_chats` waves of chat take.
+            "CLAWRL_TRAINER__MAX_WAIT_S": str(PARTIAL_AFTER_S), "CLAWRL_TRAINER__POLL_S": "0.5",
             "CLAWRL_TRAINER__SEED": str(config.seed)}
 
 
@@ -108,16 +121,17 @@ async def run_rounds(config: EvalConfig, method: str, proxy_url: str, db_url: st
                                  max_retries=2, timeout=600.0)
             users.append(SimUser(name, pref, client, random.Random(f"user-{config.seed}-{i}")))
         rows: list[dict[str, Any]] = []
+        started = time.monotonic()
         for rnd in range(config.rounds + 1):
             if rnd > 0 and method == "none":
-                for _ in range(config.sessions):
-                    await asyncio.gather(*(u.chat_session(world) for u in users))
+                for wave in range(-(-config.sessions // config.parallel)):
+                    await chat_wave(config, world, users, rnd, wave)
             elif rnd > 0:
                 # Chat until a full batch is ready (the trainer only trains full batches),
                 # then wait for that version: one published version per round.
                 start = (await loop_state(db, method))[2]
-                for _ in range(config.max_chats):
-                    await asyncio.gather(*(u.chat_session(world) for u in users))
+                for wave in range(config.max_chats):
+                    await chat_wave(config, world, users, rnd, wave)
                     await wait_judged(db, method, config.round_timeout_s)
                     _, ready, newest = await loop_state(db, method)
                     if ready >= config.batch_size or newest > start:
@@ -130,13 +144,23 @@ async def run_rounds(config: EvalConfig, method: str, proxy_url: str, db_url: st
                 rows.append({"method": method, "round": rnd, "version": version, **trained,
                              "user": user.name, "pref": user.pref,
                              "satisfied": round(res.satisfied, 4),
-                             "correct": round(res.correct, 4), "examples": res.replies[:3]})
+                             "correct": round(res.correct, 4), "examples": res.replies[:3],
+                             "elapsed_s": round(time.monotonic() - started, 1)})
             on_round(method, rnd, rows[-len(users):])
         return rows
     finally:
         for user in users:
             await user.client.close()
         await db.dispose()
+
+
+async def chat_wave(config: EvalConfig, world: World, users: list[Any], rnd: int,
+                    wave: int) -> None:
+    """`config.parallel` concurrent chat sessions per user, each with its own seeded RNG."""
+    await asyncio.gather(*(
+        user.chat_session(world, rng=random.Random(f"chat-{config.seed}-{user.name}-{rnd}-"
+                                                   f"{wave}-{k}"))
+        for user in users for k in range(config.parallel)))
 
 
 async def _version_stats(db: Any, version: str) -> dict[str, Any]:
@@ -228,18 +252,25 @@ def parse_args(argv: list[str]) -> EvalConfig:
 
     p = argparse.ArgumentParser(prog="clawrl eval", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", type=Path, help="model dir (default <state_dir>/models/tinyworld)")
-    p.add_argument("--small", action="store_true", help="the test-sized tiny world model (CI)")
-    p.add_argument("--methods", default=",".join(METHODS))
-    p.add_argument("--prefs", default="lowercase,brief",
-                   help=f"hidden preferences, one simulated user each ({', '.join(EVAL_PREFERENCES)})")
+    p.add_argument("--small", action="store_true",
+                   help="a CI-sized run: the CI-sized model (<state_dir>/models/tinyworld-ci, "
+                        "~5 min to build once), and unless given: --methods combine,none "
+                        f"--prefs lowercase --rounds {SMALL_ROUNDS}")
+    p.add_argument("--methods", default=None, help=f"default {','.join(METHODS)}")
+    p.add_argument("--prefs", default=None,
+                   help="hidden preferences, one simulated user each "
+                        f"({', '.join(EVAL_PREFERENCES)}; default lowercase,brief)")
     p.add_argument("--users-per-pref", type=int, default=1)
-    p.add_argument("--rounds", type=int, default=8, help="rounds of chat -> train -> probe")
-    p.add_argument("--sessions", type=int, default=3,
+    p.add_argument("--rounds", type=int, default=None,
+                   help="rounds of chat -> train -> probe (default 8)")
+    p.add_argument("--parallel", type=int, default=4,
+                   help="concurrent chat sessions per simulated user")
+    p.add_argument("--sessions", type=int, default=8,
                    help="chat sessions per user per round for `none` (trained methods chat "
                         "until a full batch is ready)")
-    p.add_argument("--probes", type=int, default=32, help="held-out prompts per user per probe")
+    p.add_argument("--probes", type=int, default=64, help="held-out prompts per user per probe")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--lr", type=float, default=3e-4, help="trainer learning rate")
+    p.add_argument("--lr", type=float, default=EvalConfig.lr, help="trainer learning rate")
     p.add_argument("--kl-coef", type=float, default=0.05)
     p.add_argument("--batch-size", type=int, default=32, help="samples per version")
     p.add_argument("--round-timeout", type=float, default=900.0)
@@ -248,6 +279,12 @@ def parse_args(argv: list[str]) -> EvalConfig:
                    "and CLAWRL_DATABASE__URL) instead of starting one per method")
     p.add_argument("--engine-url", help="the running stack's engine (to read weight versions)")
     args = p.parse_args(argv)
+    if args.methods is None:
+        args.methods = "combine,none" if args.small else ",".join(METHODS)
+    if args.prefs is None:
+        args.prefs = "lowercase" if args.small else "lowercase,brief"
+    if args.rounds is None:
+        args.rounds = SMALL_ROUNDS if args.small else 8
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
     prefs = tuple(x.strip() for x in args.prefs.split(",") if x.strip())
     bad = [m for m in methods if m not in METHODS] + [x for x in prefs
@@ -256,15 +293,17 @@ def parse_args(argv: list[str]) -> EvalConfig:
         raise SystemExit(f"clawrl eval: unknown or missing method/preference: {bad or 'none'}")
     if bool(args.proxy_url) != bool(args.engine_url):
         raise SystemExit("clawrl eval: --proxy-url and --engine-url go together")
-    if min(args.rounds, args.sessions, args.probes, args.users_per_pref, args.batch_size) < 1:
-        raise SystemExit("clawrl eval: --rounds, --sessions, --probes, --users-per-pref and "
-                         "--batch-size must be >= 1")
+    if min(args.rounds, args.sessions, args.probes, args.users_per_pref, args.batch_size,
+           args.parallel) < 1:
+        raise SystemExit("clawrl eval: --rounds, --sessions, --parallel, --probes, "
+                         "--users-per-pref and --batch-size must be >= 1")
     state = load_settings().state_dir
-    model = args.model or state / "models" / ("tinyworld-small" if args.small else "tinyworld")
+    model = args.model or state / "models" / ("tinyworld-ci" if args.small else "tinyworld")
     out = args.out or Path("runs") / time.strftime("eval-%Y%m%d-%H%M%S")
     return EvalConfig(model=model, out=out, methods=methods, prefs=prefs,
                       users_per_pref=args.users_per_pref, rounds=args.rounds,
-                      sessions=args.sessions, probes=args.probes, seed=args.seed,
+                      sessions=args.sessions, parallel=args.parallel, probes=args.probes,
+                      seed=args.seed,
                       lr=args.lr, kl_coef=args.kl_coef, batch_size=args.batch_size,
                       round_timeout_s=args.round_timeout, proxy_url=args.proxy_url,
                       engine_url=args.engine_url,

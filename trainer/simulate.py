@@ -4,9 +4,10 @@ Each `SimUser` has its own API key and one hidden preference (trainer/world.py
 `EVAL_PREFERENCES`). It talks to the proxy with the official `openai` SDK, like any chat
 app would:
 
-- `chat_session`: asks a (held-in) question about the world; a reply that violates the
-  preference gets a natural correction, one that satisfies it gets praise and/or the next
-  question. Corrections and praise are drawn from the corpus phrasings AND fresh ones the
+- `chat_session`: asks a (held-in) question about the world; a wrong answer gets corrected
+  with the true fact (the user knows it, as a person asking about their own town would); a
+  right one that violates the preference gets a natural correction, one that satisfies it
+  gets praise and/or the next question. Corrections and praise are drawn from the corpus phrasings AND fresh ones the
   model never saw, so the judge is measured on language it was not tuned on. The session
   ends with a one-token request carrying the last follow-up (`X-Session-Done`), so every
   real reply has a next state for the judge.
@@ -25,7 +26,15 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainer.world import World, corrections, followups, is_correct, satisfies
+from trainer.world import (
+    World,
+    corrections,
+    fact_correction,
+    fact_sentence,
+    followups,
+    is_correct,
+    satisfies,
+)
 
 SIDE = {"X-Turn-Type": "side"}
 DONE = {"X-Session-Done": "true"}
@@ -58,38 +67,45 @@ class SimUser:
             max_tokens=max_tokens or self.max_tokens, extra_headers=headers or {})
         return str(resp.choices[0].message.content or "")
 
-    async def chat_session(self, world: World, questions: int = 2, max_redos: int = 1) -> None:
+    async def chat_session(self, world: World, questions: int = 2, max_redos: int = 1,
+                           rng: random.Random | None = None) -> None:
         """One conversation of up to `questions` questions.
 
-        A violating reply gets a correction (and a redo) up to `max_redos` times; if the redo
-        still violates, the user sends one more correction and leaves. A satisfying reply gets
+        A wrong or violating reply gets a correction (and a redo) up to `max_redos` times; if
+        the redo is still wrong or violating, the user sends one more correction and leaves. A satisfying reply gets
         praise, alone or with the next question. Every reply thus gets a next state; the last
         one arrives with a one-token `X-Session-Done` request (never trained).
+
+        `rng` (default: the user's) draws the questions and phrasings; concurrent sessions
+        each get their own, so a run is reproducible however the replies interleave.
         """
+        rng = rng or self.rng
         messages: list[dict[str, str]] = []
         prefix = ""
         for i in range(questions):
-            q = self.rng.choice(world.train)
+            q = rng.choice(world.train)
             messages.append({"role": "user", "content": f"{prefix} {q.text}".strip()})
             for attempt in range(max_redos + 1):
                 reply = await self._complete(messages)
                 messages.append({"role": "assistant", "content": reply})
+                right = is_correct(world, q, reply)
                 ok = satisfies(self.pref, reply)
                 self.log.append({"question": q.text, "reply": reply, "satisfied": ok,
-                                 "correct": is_correct(world, q, reply), "attempt": attempt})
-                if ok:
+                                 "correct": right, "attempt": attempt})
+                if ok and right:
                     break
-                messages.append({"role": "user",
-                                 "content": self.rng.choice(corrections(self.pref))})
+                correction = (rng.choice(corrections(self.pref)) if right
+                              else fact_correction(fact_sentence(world, q, rng), rng))
+                messages.append({"role": "user", "content": correction})
                 if attempt == max_redos:  # gives up; the correction is the last next state
                     await self._complete(messages, DONE, max_tokens=1)
                     return
-            praise = self.rng.choice(followups())
+            praise = rng.choice(followups())
             if i == questions - 1:
                 messages.append({"role": "user", "content": praise})
                 await self._complete(messages, DONE, max_tokens=1)
                 return
-            prefix = praise if self.rng.random() < 0.5 else ""
+            prefix = praise if rng.random() < 0.5 else ""
 
     async def probe(self, world: World, prompts: list[str]) -> ProbeResult:
         """First replies to held-out prompts, as side turns in fresh conversations."""

@@ -137,6 +137,18 @@ def is_correct(world: World, question: Question, text: str) -> bool:
     return re.search(rf"\b{re.escape(value)}\b", text.lower()) is not None
 
 
+def fact_sentence(world: World, q: Question, rng: random.Random) -> str:
+    """The true answer to `q` as one plain sentence ("Ada lives in Porto.")."""
+    return rng.choice(ANSWERS[q.attr]).format(name=q.name, value=world.answer(q))
+
+
+def wrong_world(world: World, q: Question, rng: random.Random) -> World:
+    """A copy of `world` where `q`'s answer is a different value: how a wrong reply is made."""
+    value = rng.choice([v for v in VALUES[q.attr] if v != world.answer(q)])
+    facts = {**world.facts, q.name: {**world.facts[q.name], q.attr: value}}
+    return World(world.seed, facts, world.train, world.heldout)
+
+
 # --- styles ------------------------------------------------------------------------------
 
 
@@ -246,27 +258,49 @@ CORRECTIONS: dict[str, tuple[str, ...]] = {
     "lowercase": ("please answer in lowercase", "can you write that in lowercase?",
                   "no capital letters please", "lowercase only, please.",
                   "I prefer all lowercase text.", "please don't use capital letters",
-                  "write it again in lowercase", "use lowercase letters only"),
+                  "write it again in lowercase", "use lowercase letters only",
+                  "lowercase please", "I'd like that in lowercase", "don't capitalize anything",
+                  "why the capitals? lowercase is nicer"),
     "brief": ("too long", "that's too long, keep it short", "shorter please",
               "just one sentence please", "please be brief", "can you make it shorter?",
-              "too much detail, just the answer", "keep answers short"),
+              "too much detail, just the answer", "keep answers short", "keep it brief",
+              "too long, trim it", "a short answer is enough", "stop writing so much"),
     "no_lists": ("no bullet points please", "please don't use a list",
                  "write it as a sentence, not a list", "no lists, please",
-                 "can you say that without bullets?", "I don't like lists, use prose"),
+                 "can you say that without bullets?", "I don't like lists, use prose",
+                 "no list format please", "prose please, no bullets",
+                 "stop using bullet points"),
     "no_signoff": ("skip the sign-off", "no need for the closing line",
                    "please drop the 'hope this helps' part", "don't add a sign-off",
-                   "no pleasantries at the end please", "stop ending with a sign-off"),
+                   "no pleasantries at the end please", "stop ending with a sign-off",
+                   "no sign-off needed", "drop the closing line", "stop adding a sign-off"),
     "uppercase": ("please answer in capital letters", "all caps please",
-                  "write it in uppercase", "use uppercase letters only"),
+                  "write it in uppercase", "use uppercase letters only",
+                  "capitals please", "I like all caps, use them"),
     "normal_case": ("please use normal capitalization", "why all caps? write normally",
-                    "use normal sentence case please", "stop shouting, normal case please"),
+                    "use normal sentence case please", "stop shouting, normal case please",
+                    "stop writing in lowercase, use normal case", "capitalize normally please"),
     "detailed": ("can you tell me more?", "too short, give me more detail",
-                 "more detail please", "that's a bit short, say more"),
+                 "more detail please", "that's a bit short, say more",
+                 "stop being so short", "say a bit more please"),
     "lists": ("please use bullet points", "can you put that in a list?",
-              "make it a bulleted list", "I prefer lists, use bullets"),
+              "make it a bulleted list", "I prefer lists, use bullets",
+              "stop writing prose, use a list", "bullets please"),
     "signoff": ("please end with a friendly sign-off", "add a friendly closing line",
-                "be a bit warmer at the end", "end with a nice sign-off please"),
+                "be a bit warmer at the end", "end with a nice sign-off please",
+                "stop ending so abruptly, sign off", "a friendly sign-off please"),
 }
+# Words a correcting user wraps around the correction ("ok, but ... from now on"); the corpus
+# wraps its phrasings at random so the judge reads the core, not the exact string.
+CORRECTION_PREFIXES = ("hmm, ", "ok, but ", "thanks, but ", "one thing: ", "also, ", "again: ")
+CORRECTION_SUFFIXES = (" next time", " from now on", ", thanks", " please", "!")
+# A user who knows the answer and gets a wrong one says so, with the true fact ({fact}).
+FACT_CORRECTIONS = ("no, {fact}", "that's wrong. {fact}", "not quite: {fact}",
+                    "wrong answer, {fact}", "actually, {fact}", "that's not right; {fact}",
+                    "no no, {fact}", "incorrect. {fact}")
+FRESH_FACT_CORRECTIONS = ("hmm, I'm pretty sure {fact}", "you got that wrong: {fact}",
+                          "nope. {fact}", "that is false, {fact}")
+FACT_HINT = "The correct answer: {fact}"
 FRESH_CORRECTIONS: dict[str, tuple[str, ...]] = {
     "lowercase": ("could you stop using uppercase letters?", "write everything in small letters",
                   "capitals bother me, all lowercase please", "lower case, thanks"),
@@ -300,6 +334,26 @@ ISSUE_WORDS = {
     "normal_case": "normal capitalization", "detailed": "more detail",
     "lists": "a bulleted list", "signoff": "a friendly sign-off",
 }
+
+
+def wrap_correction(text: str, rng: random.Random, suffix: bool = True) -> str:
+    """`text` as a user might actually send it: sometimes with a prefix and/or suffix."""
+    if rng.random() < 0.35:
+        text = rng.choice(CORRECTION_PREFIXES) + text
+    if suffix and rng.random() < 0.3:
+        text = text.rstrip(".!?") + rng.choice(CORRECTION_SUFFIXES)
+    return text
+
+
+def fact_correction(fact: str, rng: random.Random, fresh: bool = True) -> str:
+    """What a user says to a wrong answer, stating the true `fact`."""
+    phrasings = FACT_CORRECTIONS + (FRESH_FACT_CORRECTIONS if fresh else ())
+    return rng.choice(phrasings).format(fact=fact)
+
+
+def fact_hint(fact: str) -> str:
+    """The hint a judge should extract from a fact correction."""
+    return FACT_HINT.format(fact=fact)
 
 
 def corrections(pref: str, fresh: bool = True) -> tuple[str, ...]:

@@ -28,9 +28,13 @@ from trainer.world import (
     PRAISE,
     Style,
     World,
+    fact_correction,
+    fact_hint,
+    fact_sentence,
     is_correct,
     render_reply,
     satisfies,
+    wrong_world,
 )
 
 _BOX = re.compile(r"\\boxed\{\s*([^{}]*?)\s*\}")
@@ -89,15 +93,25 @@ def _rate(flags: list[bool]) -> float:
 
 
 def judge_cases(world: World, n: int, rng: random.Random) -> list[dict[str, Any]]:
-    """Judged turns on held-out questions: (request, reply, next_state, label, pref, fresh)."""
+    """Judged turns on held-out questions: (request, reply, next_state, label, pref, hint,
+    fresh); every sixth reply states a wrong fact and is corrected with the true one."""
     cases = []
     for i in range(n):
         q = world.heldout[i % len(world.heldout)]
         request: list[Message] = [{"role": "user", "content": q.text}]
+        kind = i % 6
+        fresh = i % 2 == 1 if kind != 5 else (i // 6) % 2 == 1
+        if kind == 5:
+            reply = {"role": "assistant", "content": render_reply(
+                wrong_world(world, q, rng), q, Style.random(rng), rng)}
+            fact = fact_sentence(world, q, rng)
+            phrasing = fact_correction(fact, rng, fresh=fresh)
+            cases.append({"request": request, "reply": reply, "pref": "fact", "label": -1,
+                          "hint": fact_hint(fact), "fresh": fresh,
+                          "next_state": [{"role": "user", "content": phrasing}]})
+            continue
         reply = {"role": "assistant", "content": render_reply(world, q, Style.random(rng), rng)}
         unmet = [p for p in EVAL_PREFERENCES if not satisfies(p, reply["content"])]
-        fresh = i % 2 == 1
-        kind = i % 5
         if kind < 2 and unmet:
             pref = rng.choice(unmet)
             text = rng.choice((FRESH_CORRECTIONS if fresh else CORRECTIONS)[pref])
@@ -110,7 +124,8 @@ def judge_cases(world: World, n: int, rng: random.Random) -> list[dict[str, Any]
             if rng.random() < 0.5:
                 text += " " + rng.choice(world.train).text
         cases.append({"request": request, "reply": reply, "pref": pref, "label": label,
-                      "fresh": fresh, "next_state": [{"role": "user", "content": text}]})
+                      "hint": None, "fresh": fresh,
+                      "next_state": [{"role": "user", "content": text}]})
     return cases
 
 
@@ -145,8 +160,10 @@ def evaluate_model(model: Any, tokenizer: Any, world: World, n: int, seed: int) 
         corr = [i for i in idx if cases[i]["label"] == -1]
         judge[split] = {
             "prm_accuracy": _rate([parse_box(prm[i]) == cases[i]["label"] for i in idx]),
-            "hint_accuracy": _rate([_hint_ok(hints[i], cases[i]["pref"]) for i in idx]),
-            "hint_on_corrections": _rate([_hint_ok(hints[i], cases[i]["pref"]) for i in corr]),
+            "hint_accuracy": _rate([_hint_ok(hints[i], cases[i]) for i in idx]),
+            "hint_on_corrections": _rate([_hint_ok(hints[i], cases[i]) for i in corr]),
+            "hint_on_facts": _rate([_hint_ok(hints[i], cases[i]) for i in corr
+                                    if cases[i]["pref"] == "fact"]),
             "cases": len(idx), "corrections": len(corr),
         }
     judge["examples"] = [{"prompt_next": c["next_state"][0]["content"], "prm": p, "hint": h}
@@ -155,9 +172,12 @@ def evaluate_model(model: Any, tokenizer: Any, world: World, n: int, seed: int) 
     return report
 
 
-def _hint_ok(output: str, pref: str | None) -> bool:
-    """A correction should yield one of the preference's hints; anything else `[NO_HINT]`."""
+def _hint_ok(output: str, case: dict[str, Any]) -> bool:
+    """A style correction should yield one of the preference's hints, a fact correction the
+    fact's hint, anything else `[NO_HINT]`."""
     parsed = parse_hint(output)
-    if pref is None:
+    if case["hint"] is not None:
+        return bool(parsed == case["hint"])
+    if case["pref"] is None:
         return parsed == ""
-    return parsed in HINTS[pref]
+    return parsed in HINTS[case["pref"]]

@@ -92,6 +92,22 @@ async def test_revocation_takes_effect_within_the_cache_ttl(db: AsyncEngine) -> 
     assert info.value.code == "revoked_api_key"
 
 
+async def test_keys_in_use_are_refreshed_ahead_in_the_background(db: AsyncEngine) -> None:
+    await admin.create_user(db, "alice")
+    key = await admin.create_key(db, "alice")
+    clock = Clock()
+    auth = Authenticator(db, ProxySettings(), ttl_s=2.0, clock=clock)
+    await auth.authenticate(bearer(key.secret))
+    await admin.revoke_key(db, key.info.prefix)
+    clock.now += 1.5  # past half the TTL, still fresh: answered from the cache at once...
+    assert (await auth.authenticate(bearer(key.secret))).user_name == "alice"
+    # ...while a refresh runs in the background, which sees the revocation.
+    await asyncio.gather(*auth._lookups.values(), return_exceptions=True)
+    with pytest.raises(Unauthorized) as info:
+        await auth.authenticate(bearer(key.secret))
+    assert info.value.code == "revoked_api_key"
+
+
 async def test_invalidate_applies_revocation_at_once(db: AsyncEngine) -> None:
     await admin.create_user(db, "alice")
     key = await admin.create_key(db, "alice")

@@ -23,16 +23,31 @@ from trainer.world import CORRECTIONS, FRESH_CORRECTIONS, World
 
 
 class ScriptedAssistant:
-    """An OpenAI-compatible endpoint that answers from a script and records requests."""
+    """An OpenAI-compatible endpoint that answers from a script and records requests.
 
-    def __init__(self, replies: list[str]) -> None:
+    Replies are templates: `{name}` and `{value}` are the person and the true answer of the
+    latest question asked, `{wrong}` a value that is not the answer.
+    """
+
+    def __init__(self, replies: list[str], world: World | None = None) -> None:
         self.replies = list(replies)
+        self.world = world or World.build(0)
         self.requests: list[tuple[dict[str, str], dict[str, Any]]] = []
+
+    def _render(self, template: str, messages: list[dict[str, str]]) -> str:
+        asked = [q for m in messages if m["role"] == "user"
+                 for q in self.world.train + self.world.heldout if m["content"].endswith(q.text)]
+        if not asked:
+            return template
+        value = self.world.answer(asked[-1])
+        return template.format(name=asked[-1].name, value=value,
+                               wrong="nowhere" if value != "nowhere" else "somewhere")
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         body = json.loads(request.content)
         self.requests.append((dict(request.headers), body))
-        text = self.replies.pop(0) if body.get("max_tokens") != 1 else "x"
+        text = (self._render(self.replies.pop(0), body["messages"])
+                if body.get("max_tokens") != 1 else "x")
         return httpx.Response(200, json={
             "id": "c1", "object": "chat.completion", "created": 0, "model": "default",
             "choices": [{"index": 0, "finish_reason": "stop",
@@ -47,23 +62,54 @@ def _user(script: ScriptedAssistant, pref: str) -> SimUser:
 
 async def test_violation_gets_a_correction_and_the_session_closes_with_a_next_state() -> None:
     world = World.build(0)
-    script = ScriptedAssistant(["Ada lives in Porto.", "ada lives in porto.", "ada is a baker."])
+    script = ScriptedAssistant(["It is {value}.", "it is {value}.", "it is {value}."], world)
     user = _user(script, "lowercase")
     await user.chat_session(world, questions=2, max_redos=1)
     bodies = [b for _, b in script.requests]
     assert len(bodies) == 4  # reply, redo, second question, closing one-token turn
     correction = bodies[1]["messages"][-1]["content"]
     assert correction in CORRECTIONS["lowercase"] + FRESH_CORRECTIONS["lowercase"]
-    assert bodies[1]["messages"][-2] == {"role": "assistant", "content": "Ada lives in Porto."}
+    assert bodies[1]["messages"][-2]["content"].startswith("It is ")
     closing_headers, closing = script.requests[-1]
     assert closing["max_tokens"] == 1 and closing_headers["x-session-done"] == "true"
-    assert closing["messages"][-2]["content"] == "ada is a baker."
+    assert closing["messages"][-2]["content"].startswith("it is ")
     assert [e["satisfied"] for e in user.log] == [False, True, True]
+    assert [e["correct"] for e in user.log] == [True, True, True]
     await user.client.close()
 
 
+async def test_a_wrong_answer_is_corrected_with_the_true_fact_before_any_style() -> None:
+    world = World.build(0)
+    script = ScriptedAssistant(["it is {wrong}.", "it is {value}.", "it is {value}."], world)
+    user = _user(script, "lowercase")
+    await user.chat_session(world, questions=2, max_redos=1)
+    bodies = [b for _, b in script.requests]
+    question = next(q for q in world.train
+                    if bodies[0]["messages"][-1]["content"].endswith(q.text))
+    correction = bodies[1]["messages"][-1]["content"]
+    assert world.answer(question) in correction  # states the true fact
+    assert not any(c in correction for c in CORRECTIONS["lowercase"])
+    assert [e["correct"] for e in user.log] == [False, True, True]
+    assert [e["satisfied"] for e in user.log] == [True, True, True]
+    await user.client.close()
+
+
+async def test_concurrent_sessions_with_their_own_rngs_are_reproducible() -> None:
+    world = World.build(0)
+    asked = []
+    for _ in range(2):
+        script = ScriptedAssistant(["it is {value}."] * 8, world)
+        user = _user(script, "lowercase")
+        await user.chat_session(world, rng=random.Random("a"))
+        await user.chat_session(world, rng=random.Random("b"))
+        asked.append([b["messages"][-1]["content"] for _, b in script.requests])
+        assert user.rng.getstate() == random.Random(0).getstate()  # the user's RNG untouched
+        await user.client.close()
+    assert asked[0] == asked[1]
+
+
 async def test_a_user_whose_correction_is_ignored_corrects_again_and_leaves() -> None:
-    script = ScriptedAssistant(["Ada lives in Porto.", "ADA LIVES IN PORTO."])
+    script = ScriptedAssistant(["It is {value}.", "IT IS {value}."])
     user = _user(script, "lowercase")
     await user.chat_session(World.build(0), questions=2, max_redos=1)
     assert len(script.requests) == 3
@@ -121,7 +167,7 @@ def test_bad_arguments_are_one_clear_line(argv: list[str], message: str,
 
 def test_every_method_gets_the_same_trainer_settings_but_the_method() -> None:
     config = evaluate.EvalConfig(model=Path("m"), out=Path("o"))
-    envs = [evaluate.trainer_env(config, m) for m in ("rl", "opd", "combine")]
+    envs = [evaluate.stack_env(config, m) for m in ("rl", "opd", "combine")]
     assert [e.pop("CLAWRL_TRAINER__METHOD") for e in envs] == ["rl", "opd", "combine"]
     assert envs[0] == envs[1] == envs[2]
 
@@ -139,24 +185,39 @@ def world_model_dir() -> Path:
     return path
 
 
-@pytest.mark.slow
-def test_learning_beats_no_training_through_the_real_stack(
-        world_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`clawrl eval` through the real proxy, judge, trainer and engine: combine vs none on
-    the same seeds, a brevity-loving user, six published versions (~8 min).
-
-    The `--small` model is too weak a judge for the loop to learn from (its report.json:
-    PRM accuracy ~0.5), so this uses the pretrained tiny world model.
-    """
+def _eval_rows(argv: list[str], out: Path, monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
     server = os.environ.get("CLAWRL_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
     monkeypatch.setenv("CLAWRL_DATABASE__URL",
                        server.replace("postgresql://", "postgresql+psycopg://", 1))
-    out = tmp_path / "eval"
-    code = evaluate.main(["--model", str(world_model_dir), "--methods", "combine,none",
-                          "--prefs", "brief", "--rounds", "6", "--out", str(out)])
-    assert code == 0
-    rows = json.loads((out / "results.json").read_text())["probes"]
+    assert evaluate.main([*argv, "--out", str(out)]) == 0
+    assert (out / "curve.png").is_file() and (out / "table.txt").is_file()
+    rows: list[dict[str, Any]] = json.loads((out / "results.json").read_text())["probes"]
+    return rows
+
+
+def test_small_eval_learns_above_no_training_through_the_real_stack(
+        ci_world_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`clawrl eval --small`: the CI-sized model behind the real proxy, judge, trainer and
+    engine; a lowercase-loving user; `combine` against `none` on the same seeds, 4 versions.
+
+    Measured while writing this (README, "See it learn"): combine 0.38 -> 0.84 while none
+    stays at 0.28-0.31; the bar below is half that gap.
+    """
+    rows = _eval_rows(["--small", "--model", str(ci_world_dir)], tmp_path / "eval", monkeypatch)
+    last = {r["method"]: r for r in rows if r["round"] == evaluate.SMALL_ROUNDS}
+    assert last["combine"]["version"] == str(evaluate.SMALL_ROUNDS)
+    assert last["none"]["version"] == "0"
+    assert last["combine"]["pref"] == "lowercase"
+    assert last["combine"]["satisfied"] >= last["none"]["satisfied"] + 0.25, rows
+
+
+@pytest.mark.slow
+def test_learning_beats_no_training_through_the_real_stack(
+        world_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The full tiny world model (~10 min to build once): combine vs none on the same
+    seeds, a brevity-loving user, six published versions."""
+    rows = _eval_rows(["--model", str(world_model_dir), "--methods", "combine,none",
+                       "--prefs", "brief", "--rounds", "6"], tmp_path / "eval", monkeypatch)
     last = {r["method"]: r for r in rows if r["round"] == 6}
     assert last["combine"]["version"] == "6" and last["none"]["version"] == "0"
     assert last["combine"]["satisfied"] >= last["none"]["satisfied"] + 0.2, rows
-    assert (out / "curve.png").is_file()

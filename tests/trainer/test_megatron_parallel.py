@@ -82,8 +82,11 @@ def test_two_processes_match_one(
     exported, expected = load_file(str(tmp_path / "hf" / "model.safetensors")), \
         load_file(str(single["hf"] / "model.safetensors"))
     assert exported.keys() == expected.keys()
+    # Two Adam steps at lr 1e-3 move a weight by up to ~2e-3; where a gradient is ~0, Adam's
+    # m/sqrt(v) turns the float noise of another reduction order into a visible step (seen:
+    # 1.04e-5 under TP). 5e-5 is 2.5% of the movement; a wrong split would be off by ~1e-3.
     for name, tensor in expected.items():
-        assert (exported[name] - tensor).abs().max().item() <= 1e-5, name
+        assert (exported[name] - tensor).abs().max().item() <= 5e-5, name
 
 
 def test_world_size_not_matching_the_layout_fails_clearly(

@@ -15,6 +15,7 @@ from trainer.world import (
     CORRECTIONS,
     EVAL_PREFERENCES,
     FRESH_CORRECTIONS,
+    FRESH_FACT_CORRECTIONS,
     FRESH_PRAISE,
     HINTS,
     LAYOUTS,
@@ -28,6 +29,7 @@ from trainer.world import (
     render_reply,
     restyle,
     satisfies,
+    wrong_world,
 )
 from trainer.world_report import parse_box, parse_hint
 
@@ -133,7 +135,8 @@ def test_simulator_phrasings_include_ones_the_corpus_never_saw() -> None:
 def _judged_turns() -> list[tuple[list[corpus.Message], corpus.Message, list[corpus.Message]]]:
     world = World.build(0)
     rng = random.Random(1)
-    turns = [corpus._judged_turn(world, rng)[:3] for _ in range(30)]
+    turns = [(t.request, t.reply, t.next_state)
+             for t in (corpus._judged_turn(world, rng) for _ in range(30))]
     long_context = [{"role": "system", "content": "Be nice."}] + [
         {"role": r, "content": f"message {i}"} for i, r in
         enumerate(["user", "assistant", "user", "assistant", "user"])]
@@ -161,10 +164,14 @@ def test_teacher_context_matches_the_judge_teacher_messages() -> None:
 
 def test_corpus_answers_parse_with_the_judge_rules() -> None:
     rng = random.Random(0)
-    for label, pref in [(1, None), (0, None), (-1, "brief")]:
-        assert parse_box(corpus.prm_answer(label, pref, rng)) == label
-    assert parse_hint(corpus.hint_answer(None, rng)) == ""
-    assert parse_hint(corpus.hint_answer("lowercase", rng)) in HINTS["lowercase"]
+    world = World.build(0)
+    for _ in range(200):
+        turn = corpus._judged_turn(world, rng)
+        assert parse_box(corpus.prm_answer(turn, rng)) == turn.label
+        assert parse_hint(corpus.hint_answer(turn)) == (turn.hint or "")
+    turn = corpus.JudgedTurn([], {"role": "assistant", "content": "A"}, [], -1, "r",
+                             HINTS["lowercase"][0])
+    assert parse_hint(corpus.hint_answer(turn)) in HINTS["lowercase"]
 
 
 @pytest.mark.parametrize(("text", "vote"), [
@@ -188,3 +195,38 @@ def test_chatml_rendering_marks_assistant_spans() -> None:
                                         {"role": "assistant", "content": "hello"}])
     assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nhello<|im_end|>\n"
     assert [text[a:b] for a, b in spans] == ["hello<|im_end|>"]
+
+
+def test_wrong_answers_in_judged_turns_are_corrected_with_the_true_fact() -> None:
+    world = World.build(0)
+    rng = random.Random(3)
+    facts = [t for t in (corpus._judged_turn(world, rng) for _ in range(400))
+             if t.reason == corpus.FACT_REASON]
+    assert len(facts) > 20
+    for turn in facts:
+        question = next(q for q in world.train if turn.request[-1]["content"].endswith(q.text))
+        assert not is_correct(world, question, turn.reply["content"])
+        assert turn.label == -1 and turn.hint is not None
+        assert world.answer(question) in turn.hint
+        assert world.answer(question) in turn.next_state[-1]["content"]
+
+
+def test_the_corpus_never_contains_fresh_fact_corrections_or_heldout_questions() -> None:
+    world = World.build(0)
+    fresh = [f.split("{fact}")[0] for f in FRESH_FACT_CORRECTIONS]
+    heldout = {q.text for q in world.heldout}
+    stream = corpus.iter_examples(world, 0)
+    for _ in range(1500):
+        _, messages = next(stream)
+        text = "\n".join(str(m["content"]) for m in messages)
+        assert not any(f in text for f in fresh)
+        assert not any(h in text for h in heldout)
+
+
+def test_wrong_world_changes_only_that_answer() -> None:
+    world = World.build(0)
+    q = world.train[0]
+    wrong = wrong_world(world, q, random.Random(0))
+    assert wrong.answer(q) != world.answer(q)
+    assert all(wrong.answer(o) == world.answer(o) for o in world.train if o.name != q.name
+               or o.attr != q.attr)
