@@ -220,25 +220,30 @@ def print_table(rows: list[dict[str, Any]]) -> str:
 
 
 def plot_curve(rows: list[dict[str, Any]], path: Path) -> None:
+    """One panel per preference (satisfaction per round and method), and one of the answers'
+    task accuracy (mean over users) per round and method."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     prefs = sorted({r["pref"] for r in rows})
-    fig, axes = plt.subplots(1, len(prefs), figsize=(5 * len(prefs), 4), squeeze=False)
-    for ax, pref in zip(axes[0], prefs, strict=True):
+    panels = [(f"preference: {p}", "held-out replies satisfying it", "satisfied", p)
+              for p in prefs] + [("answer accuracy (all users)", "held-out answers correct",
+                                  "correct", None)]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    for ax, (title, ylabel, key, pref) in zip(axes[0], panels, strict=True):
         for method in (*METHODS, CONNECTED):
             pts: dict[int, list[float]] = {}
             for r in rows:
-                if r["method"] == method and r["pref"] == pref:
-                    pts.setdefault(r["round"], []).append(r["satisfied"])
+                if r["method"] == method and pref in (None, r["pref"]):
+                    pts.setdefault(r["round"], []).append(r[key])
             if pts:
                 xs = sorted(pts)
                 ax.plot(xs, [sum(pts[x]) / len(pts[x]) for x in xs], marker="o", label=method)
-        ax.set_title(f"preference: {pref}")
+        ax.set_title(title)
         ax.set_xlabel("round (one published version per round when training)")
-        ax.set_ylabel("held-out replies satisfying it")
+        ax.set_ylabel(ylabel)
         ax.set_ylim(-0.02, 1.02)
         ax.grid(alpha=0.3)
         ax.legend()
