@@ -1,7 +1,7 @@
 """`clawrl eval`: measure that the whole loop learns, with simulated users over HTTP.
 
     clawrl eval [--model DIR | --small] [--methods combine,rl,opd,none] [--rounds 8]
-                [--prefs lowercase,brief] [--out runs/eval-...]
+                [--prefs lowercase,brief] [--seeds 0,1,2] [--out runs/eval-...]
 
 For each method, on the same seeds: start a fresh stack (Postgres database, embedded engine
 serving the pretrained tiny world model, proxy, judge worker, and — except for `none` — the
@@ -15,10 +15,15 @@ the base model; `none` chats `--sessions` sessions per user per round and never 
 Each user holds `--parallel` conversations at once (a chat app has many users; the engine
 batches their requests), each with its own seeded RNG.
 
+`--seeds` repeats the whole run per seed (users, questions, phrasings, trainer seed), each
+seed's stacks under `<out>/seed-N/`.
+
 Output in `--out`: results.json (every probe with the served version's training stats,
-and the settings), a table on stdout
-(round x method x user: satisfaction, with weight version and task accuracy) and
-curve.png (satisfaction per round, one line per method and preference).
+the settings and the target summary), a table on stdout
+(round x method x user: satisfaction, with weight version and task accuracy; the mean over
+seeds), curve.png (satisfaction per round, one line per method and preference, the band
+spanning the seeds), and the targets of the evaluation issue per method and seed: the first
+round each preference reaches 0.9, and how far answer accuracy fell below the base model's.
 
 The model defaults to `<state_dir>/models/tinyworld` (built with `clawrl tinyworld build`
 when missing); `--small` is a CI-sized run: the CI-sized build (`tinyworld build --ci`,
@@ -36,7 +41,7 @@ import random
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +50,12 @@ from trainer.world import EVAL_PREFERENCES, World
 METHODS = ("combine", "rl", "opd", "none")
 SMALL_ROUNDS = 4  # `--small`: a CI-sized run
 PARTIAL_AFTER_S = 45
+# The evaluation's targets: satisfaction on held-out prompts >= TARGET_SATISFIED within the
+# rounds run, for at least TARGET_PREFS preferences, while answer accuracy never falls more
+# than TARGET_ACCURACY_DROP below the base model's.
+TARGET_SATISFIED = 0.9
+TARGET_PREFS = 2
+TARGET_ACCURACY_DROP = 0.05
 # Label of the rows measured on an already running stack (`--proxy-url`): whatever it trains.
 CONNECTED = "connected"
 
@@ -65,6 +76,7 @@ class EvalConfig:
     max_chats: int = 4
     probes: int = 64
     seed: int = 0
+    seeds: tuple[int, ...] = ()  # several seeds: the whole run once per seed (default: `seed`)
     world_seed: int = 0
     # Measured on the tiny world model (README, "See it learn"): with users who also correct
     # wrong answers, 3e-4 x 32 samples per version is too slow (0.6-0.75 at v8), 6e-4 just
@@ -141,7 +153,8 @@ async def run_rounds(config: EvalConfig, method: str, proxy_url: str, db_url: st
             trained = await _version_stats(db, version)
             results = await asyncio.gather(*(u.probe(world, probe_prompts) for u in users))
             for user, res in zip(users, results, strict=True):
-                rows.append({"method": method, "round": rnd, "version": version, **trained,
+                rows.append({"method": method, "seed": config.seed, "round": rnd,
+                             "version": version, **trained,
                              "user": user.name, "pref": user.pref,
                              "satisfied": round(res.satisfied, 4),
                              "correct": round(res.correct, 4), "examples": res.replies[:3],
@@ -202,46 +215,132 @@ def run_connected(config: EvalConfig, on_round: Any) -> list[dict[str, Any]]:
                                   config.engine_url.rstrip("/"), on_round))
 
 
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs)
+
+
+def _cell(rows: list[dict[str, Any]], key: str, **match: Any) -> list[float]:
+    return [r[key] for r in rows if all(r.get(k) == v for k, v in match.items())]
+
+
 def print_table(rows: list[dict[str, Any]]) -> str:
-    """Satisfaction (and task accuracy) per round, method and user, as plain text."""
+    """Satisfaction (and task accuracy) per round, method and user, as plain text: the mean
+    over seeds, with the version served (the one version when all seeds served it)."""
     users = sorted({(r["user"], r["pref"]) for r in rows})
     methods = [m for m in (*METHODS, CONNECTED) if any(r["method"] == m for r in rows)]
     cols = [(m, u) for m in methods for u, _ in users]
-    lines = ["round  " + "  ".join(f"{m}/{u.split('-', 2)[2]:<10}"[:22].ljust(22)
-                                   for m, u in cols)]
+    seeds = sorted({r.get("seed", 0) for r in rows})
+    head = "round  " + "  ".join(f"{m}/{u.split('-', 2)[2]:<10}"[:22].ljust(22) for m, u in cols)
+    lines = [f"mean over seeds {','.join(map(str, seeds))}"] if len(seeds) > 1 else []
+    lines.append(head)
     for rnd in sorted({r["round"] for r in rows}):
         cells = []
         for m, u in cols:
             hit = [r for r in rows if r["round"] == rnd and r["method"] == m and r["user"] == u]
-            cells.append(f"{hit[0]['satisfied']:.2f} (v{hit[0]['version']}, acc "
-                         f"{hit[0]['correct']:.2f})".ljust(22) if hit else "-".ljust(22))
+            if not hit:
+                cells.append("-".ljust(22))
+                continue
+            versions = {r["version"] for r in hit}
+            version = versions.pop() if len(versions) == 1 else "*"
+            cells.append(f"{_mean([r['satisfied'] for r in hit]):.2f} (v{version}, acc "
+                         f"{_mean([r['correct'] for r in hit]):.2f})".ljust(22))
         lines.append(f"{rnd:<5}  " + "  ".join(cells))
+    return "\n".join(lines)
+
+
+def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The evaluation's targets per method and seed, from the probe rows.
+
+    `reached`: per preference, the first round whose satisfaction (mean over that
+    preference's users) is >= TARGET_SATISFIED, or None. `accuracy_base` is round 0's mean
+    answer accuracy over all users; `worst_accuracy_drop` the largest fall below it in any
+    later round, `final_accuracy_drop` the fall at the last round. `met`: at least
+    TARGET_PREFS preferences (all of them, when fewer were run) reached the bar and accuracy
+    never fell more than TARGET_ACCURACY_DROP. For `none`, `spread` is how far satisfaction
+    moved from round 0 at most (it should stay at the base rate).
+    """
+    out = []
+    for method in (*METHODS, CONNECTED):
+        for seed in sorted({r.get("seed", 0) for r in rows if r["method"] == method}):
+            mine = [r for r in rows if r["method"] == method and r.get("seed", 0) == seed]
+            rounds = sorted({r["round"] for r in mine})
+            if 0 not in rounds:
+                continue
+            prefs = sorted({r["pref"] for r in mine})
+            sat = {p: {n: _mean(_cell(mine, "satisfied", pref=p, round=n)) for n in rounds}
+                   for p in prefs}
+            acc = {n: _mean(_cell(mine, "correct", round=n)) for n in rounds}
+            reached = {p: next((n for n in rounds if n > 0 and sat[p][n] >= TARGET_SATISFIED),
+                               None) for p in prefs}
+            drops = [acc[0] - acc[n] for n in rounds if n > 0] or [0.0]
+            need = min(TARGET_PREFS, len(prefs))
+            row: dict[str, Any] = {
+                "method": method, "seed": seed, "rounds": rounds[-1],
+                "base": {p: round(sat[p][0], 4) for p in prefs},
+                "last": {p: round(sat[p][rounds[-1]], 4) for p in prefs},
+                "reached": reached, "accuracy_base": round(acc[0], 4),
+                "worst_accuracy_drop": round(max(drops), 4),
+                "final_accuracy_drop": round(drops[-1], 4),
+                "spread": round(max(abs(sat[p][n] - sat[p][0]) for p in prefs
+                                    for n in rounds), 4)}
+            row["met"] = (sum(n is not None for n in reached.values()) >= need
+                          and row["worst_accuracy_drop"] <= TARGET_ACCURACY_DROP)
+            out.append(row)
+    return out
+
+
+def print_targets(summary: list[dict[str, Any]]) -> str:
+    """One line per method and seed: when each preference reached the bar, accuracy."""
+    lines = [f"targets: satisfaction >= {TARGET_SATISFIED} for {TARGET_PREFS} preferences, "
+             f"accuracy never more than {TARGET_ACCURACY_DROP * 100:.0f} points below base"]
+    for t in summary:
+        if t["method"] == "none":
+            detail = (", ".join(f"{p} {t['base'][p]:.2f}" for p in t["base"])
+                      + f" at round 0; moved at most {t['spread']:.2f}")
+        else:
+            detail = ", ".join(
+                f"{p} {t['base'][p]:.2f}->{t['last'][p]:.2f} "
+                + (f"(>= {TARGET_SATISFIED} at round {n})" if n is not None else "(not reached)")
+                for p, n in t["reached"].items())
+            detail += "  " + ("MET" if t["met"] else "not met")
+        lines.append(
+            f"  {t['method']:<9} seed {t['seed']}: {detail}; accuracy {t['accuracy_base']:.2f} "
+            f"at round 0, worst {-t['worst_accuracy_drop'] * 100:+.0f} pts, "
+            f"last {-t['final_accuracy_drop'] * 100:+.0f} pts")
     return "\n".join(lines)
 
 
 def plot_curve(rows: list[dict[str, Any]], path: Path) -> None:
     """One panel per preference (satisfaction per round and method), and one of the answers'
-    task accuracy (mean over users) per round and method."""
+    task accuracy (mean over users) per round and method. With several seeds: the mean
+    line and a band from the lowest to the highest seed."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     prefs = sorted({r["pref"] for r in rows})
+    seeds = sorted({r.get("seed", 0) for r in rows})
     panels = [(f"preference: {p}", "held-out replies satisfying it", "satisfied", p)
               for p in prefs] + [("answer accuracy (all users)", "held-out answers correct",
                                   "correct", None)]
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
     for ax, (title, ylabel, key, pref) in zip(axes[0], panels, strict=True):
         for method in (*METHODS, CONNECTED):
+            # per round: the value of each seed (mean over that seed's matching users)
             pts: dict[int, list[float]] = {}
-            for r in rows:
-                if r["method"] == method and pref in (None, r["pref"]):
-                    pts.setdefault(r["round"], []).append(r[key])
+            for seed in seeds:
+                mine = [r for r in rows if r["method"] == method and r.get("seed", 0) == seed
+                        and pref in (None, r["pref"])]
+                for n in sorted({r["round"] for r in mine}):
+                    pts.setdefault(n, []).append(_mean(_cell(mine, key, round=n)))
             if pts:
                 xs = sorted(pts)
-                ax.plot(xs, [sum(pts[x]) / len(pts[x]) for x in xs], marker="o", label=method)
-        ax.set_title(title)
+                (line,) = ax.plot(xs, [_mean(pts[x]) for x in xs], marker="o", label=method)
+                if len(seeds) > 1:
+                    ax.fill_between(xs, [min(pts[x]) for x in xs], [max(pts[x]) for x in xs],
+                                    color=line.get_color(), alpha=0.15, linewidth=0)
+        ax.set_title(title + (f" ({len(seeds)} seeds)" if len(seeds) > 1 else ""))
         ax.set_xlabel("round (one published version per round when training)")
         ax.set_ylabel(ylabel)
         ax.set_ylim(-0.02, 1.02)
@@ -275,6 +374,8 @@ def parse_args(argv: list[str]) -> EvalConfig:
                         "until a full batch is ready)")
     p.add_argument("--probes", type=int, default=64, help="held-out prompts per user per probe")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seeds", default=None,
+                   help="run everything once per seed, e.g. 0,1,2 (overrides --seed)")
     p.add_argument("--lr", type=float, default=EvalConfig.lr, help="trainer learning rate")
     p.add_argument("--kl-coef", type=float, default=0.05)
     p.add_argument("--batch-size", type=int, default=32, help="samples per version")
@@ -296,6 +397,15 @@ def parse_args(argv: list[str]) -> EvalConfig:
                                                      if x not in EVAL_PREFERENCES]
     if bad or not methods or not prefs:
         raise SystemExit(f"clawrl eval: unknown or missing method/preference: {bad or 'none'}")
+    try:
+        seeds = tuple(int(x) for x in (args.seeds or str(args.seed)).split(",") if x.strip())
+    except ValueError:
+        raise SystemExit(f"clawrl eval: --seeds takes integers like 0,1,2, not {args.seeds!r}") from None
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise SystemExit(f"clawrl eval: --seeds needs distinct integers, got {args.seeds!r}")
+    if args.proxy_url and len(seeds) > 1:
+        raise SystemExit("clawrl eval: --seeds needs a stack per seed; a running stack "
+                         "(--proxy-url) is measured once")
     if bool(args.proxy_url) != bool(args.engine_url):
         raise SystemExit("clawrl eval: --proxy-url and --engine-url go together")
     if min(args.rounds, args.sessions, args.probes, args.users_per_pref, args.batch_size,
@@ -308,7 +418,7 @@ def parse_args(argv: list[str]) -> EvalConfig:
     return EvalConfig(model=model, out=out, methods=methods, prefs=prefs,
                       users_per_pref=args.users_per_pref, rounds=args.rounds,
                       sessions=args.sessions, parallel=args.parallel, probes=args.probes,
-                      seed=args.seed,
+                      seed=seeds[0], seeds=seeds,
                       lr=args.lr, kl_coef=args.kl_coef, batch_size=args.batch_size,
                       round_timeout_s=args.round_timeout, proxy_url=args.proxy_url,
                       engine_url=args.engine_url,
@@ -348,19 +458,24 @@ def run_eval(config: EvalConfig) -> int:
     try:
         from tqdm import tqdm
 
-        runs = 1 if config.proxy_url else len(config.methods)
+        seeds = config.seeds or (config.seed,)
+        runs = 1 if config.proxy_url else len(config.methods) * len(seeds)
         bar = tqdm(total=runs * (config.rounds + 1), unit="probe", file=sys.stderr)
 
         def on_round(method: str, rnd: int, new: list[dict[str, Any]]) -> None:
-            bar.set_postfix_str(f"{method} r{rnd} " + " ".join(
+            bar.set_postfix_str(f"{method} s{new[0]['seed']} r{rnd} " + " ".join(
                 f"{r['pref']}={r['satisfied']:.2f}" for r in new))
             bar.update(1)
 
         if config.proxy_url and config.engine_url:
             rows += run_connected(config, on_round)
-        for method in () if config.proxy_url else config.methods:
-            rows += run_method(config, method, on_round)
-            _write(config, rows, started)
+        for seed in () if config.proxy_url else seeds:
+            # one seed: its stacks right under --out; several: each under <out>/seed-N
+            run = replace(config, seed=seed, out=config.out / f"seed-{seed}"
+                          if len(seeds) > 1 else config.out)
+            for method in config.methods:
+                rows += run_method(run, method, on_round)
+                _write(config, rows, started)
         bar.close()
     except StackError as exc:
         print(f"clawrl eval: {exc}", file=sys.stderr)
@@ -370,8 +485,8 @@ def run_eval(config: EvalConfig) -> int:
         print("clawrl eval: interrupted; partial results written", file=sys.stderr)
         _write(config, rows, started)
         return 130
-    table = print_table(rows)
-    print(table)
+    print(print_table(rows))
+    print("\n" + print_targets(targets(rows)))
     print(f"\nresults: {config.out / 'results.json'}  curve: {config.out / 'curve.png'}  "
           f"({(time.monotonic() - started) / 60:.1f} min)")
     return 0
@@ -385,7 +500,8 @@ def _write(config: EvalConfig, rows: list[dict[str, Any]], started: float) -> No
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(config).items()}
     (config.out / "results.json").write_text(json.dumps(
         {"settings": settings, "minutes": round((time.monotonic() - started) / 60, 2),
-         "probes": rows}, indent=1, default=str))
+         "targets": targets(rows), "probes": rows}, indent=1, default=str))
     if rows:
         plot_curve(rows, config.out / "curve.png")
-        (config.out / "table.txt").write_text(print_table(rows) + "\n")
+        (config.out / "table.txt").write_text(
+            f"{print_table(rows)}\n\n{print_targets(targets(rows))}\n")

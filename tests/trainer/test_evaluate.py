@@ -154,10 +154,60 @@ def test_table_and_curve(tmp_path: Path) -> None:
     assert (tmp_path / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def _seed_rows(seed: int, sat: dict[str, list[float]], acc: list[float],
+               method: str = "combine") -> list[dict[str, Any]]:
+    return [{"method": method, "seed": seed, "round": n, "version": str(n),
+             "user": f"sim-{i}-{pref}", "pref": pref, "satisfied": s, "correct": acc[n]}
+            for i, (pref, curve) in enumerate(sat.items()) for n, s in enumerate(curve)]
+
+
+def test_targets_per_method_and_seed() -> None:
+    rows = (_seed_rows(0, {"lowercase": [0.4, 0.8, 0.95, 0.9], "brief": [0.1, 0.5, 0.7, 0.92]},
+                       [0.98, 0.97, 0.95, 0.94])
+            # seed 1 reaches both bars but loses 7 points of accuracy on the way
+            + _seed_rows(1, {"lowercase": [0.4, 0.9, 1.0, 1.0], "brief": [0.1, 0.9, 0.9, 0.9]},
+                         [0.98, 0.91, 0.97, 0.97])
+            # seed 2: only one preference reaches the bar
+            + _seed_rows(2, {"lowercase": [0.4, 0.95, 1.0, 1.0], "brief": [0.1, 0.5, 0.8, 0.89]},
+                         [0.98, 0.98, 0.98, 0.98])
+            + _seed_rows(0, {"lowercase": [0.4, 0.45, 0.35, 0.4], "brief": [0.1, 0.1, 0.2, 0.1]},
+                         [0.98] * 4, method="none"))
+    got = {(t["method"], t["seed"]): t for t in evaluate.targets(rows)}
+    assert got["combine", 0]["reached"] == {"lowercase": 2, "brief": 3}
+    assert got["combine", 0]["worst_accuracy_drop"] == pytest.approx(0.04)
+    assert got["combine", 0]["met"]
+    assert got["combine", 1]["reached"] == {"lowercase": 1, "brief": 1}
+    assert got["combine", 1]["worst_accuracy_drop"] == pytest.approx(0.07)
+    assert got["combine", 1]["final_accuracy_drop"] == pytest.approx(0.01)
+    assert not got["combine", 1]["met"]
+    assert got["combine", 2]["reached"] == {"lowercase": 1, "brief": None}
+    assert not got["combine", 2]["met"]
+    assert got["none", 0]["spread"] == pytest.approx(0.1)
+    text = evaluate.print_targets(evaluate.targets(rows))
+    assert "brief 0.10->0.92 (>= 0.9 at round 3)" in text and "(not reached)" in text
+    assert text.count("MET") == 1 and text.count("not met") == 2
+
+
+def test_several_seeds_table_shows_the_mean_and_curve_the_band(tmp_path: Path) -> None:
+    rows = (_seed_rows(0, {"lowercase": [0.4, 0.8]}, [1.0, 0.9])
+            + _seed_rows(1, {"lowercase": [0.2, 0.6]}, [1.0, 0.8]))
+    for r in rows[2:]:
+        r["version"] = "9" if r["round"] else "0"  # seed 1 served another version at round 1
+    lines = evaluate.print_table(rows).splitlines()
+    assert lines[0] == "mean over seeds 0,1"
+    assert "0.30 (v0, acc 1.00)" in lines[2] and "0.70 (v*, acc 0.85)" in lines[3]
+    evaluate.plot_curve(rows, tmp_path / "curve.png")
+    assert (tmp_path / "curve.png").stat().st_size > 1000
+
+
 @pytest.mark.parametrize(("argv", "message"), [
     (["--methods", "sgd"], "unknown or missing method/preference: ['sgd']"),
     (["--prefs", "loud"], "unknown or missing method/preference: ['loud']"),
     (["--rounds", "0"], "must be >= 1"),
+    (["--seeds", "0,x"], "--seeds takes integers like 0,1,2, not '0,x'"),
+    (["--seeds", "1,1"], "--seeds needs distinct integers, got '1,1'"),
+    (["--seeds", "0,1", "--proxy-url", "http://p", "--engine-url", "http://e"],
+     "--seeds needs a stack per seed"),
 ])
 def test_bad_arguments_are_one_clear_line(argv: list[str], message: str,
                                           capsys: pytest.CaptureFixture[str]) -> None:
