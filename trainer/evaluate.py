@@ -128,7 +128,9 @@ async def run_rounds(config: EvalConfig, method: str, proxy_url: str, db_url: st
         for i, pref in enumerate(p for p in config.prefs for _ in range(config.users_per_pref)):
             name = f"sim-{i}-{pref}"
             await admin.ensure_user(db, name)
-            key = await admin.create_key(db, name, name="clawrl eval")
+            # Unlimited (rate_limit_rpm=0): one simulated user stands for a crowd; the probes
+            # alone are `probes` requests at once, far over a person's per-minute limit.
+            key = await admin.create_key(db, name, name="clawrl eval", rate_limit_rpm=0)
             client = AsyncOpenAI(base_url=f"{proxy_url}/v1", api_key=key.secret,
                                  max_retries=2, timeout=600.0)
             users.append(SimUser(name, pref, client, random.Random(f"user-{config.seed}-{i}")))
@@ -451,6 +453,8 @@ def main(argv: list[str]) -> int:
 
 def run_eval(config: EvalConfig) -> int:
     """Every method in turn; writes results after each; prints the table."""
+    import openai
+
     from trainer.evalstack import StackError, run_method
 
     rows: list[dict[str, Any]] = []
@@ -460,25 +464,29 @@ def run_eval(config: EvalConfig) -> int:
 
         seeds = config.seeds or (config.seed,)
         runs = 1 if config.proxy_url else len(config.methods) * len(seeds)
-        bar = tqdm(total=runs * (config.rounds + 1), unit="probe", file=sys.stderr)
+        with tqdm(total=runs * (config.rounds + 1), unit="probe", file=sys.stderr) as bar:
+            def on_round(method: str, rnd: int, new: list[dict[str, Any]]) -> None:
+                rows.extend(new)  # kept round by round: a failure later still writes these
+                bar.set_postfix_str(f"{method} s{new[0]['seed']} r{rnd} " + " ".join(
+                    f"{r['pref']}={r['satisfied']:.2f}" for r in new))
+                bar.update(1)
 
-        def on_round(method: str, rnd: int, new: list[dict[str, Any]]) -> None:
-            bar.set_postfix_str(f"{method} s{new[0]['seed']} r{rnd} " + " ".join(
-                f"{r['pref']}={r['satisfied']:.2f}" for r in new))
-            bar.update(1)
-
-        if config.proxy_url and config.engine_url:
-            rows += run_connected(config, on_round)
-        for seed in () if config.proxy_url else seeds:
-            # one seed: its stacks right under --out; several: each under <out>/seed-N
-            run = replace(config, seed=seed, out=config.out / f"seed-{seed}"
-                          if len(seeds) > 1 else config.out)
-            for method in config.methods:
-                rows += run_method(run, method, on_round)
-                _write(config, rows, started)
-        bar.close()
+            if config.proxy_url and config.engine_url:
+                run_connected(config, on_round)
+            for seed in () if config.proxy_url else seeds:
+                # one seed: its stacks right under --out; several: each under <out>/seed-N
+                run = replace(config, seed=seed, out=config.out / f"seed-{seed}"
+                              if len(seeds) > 1 else config.out)
+                for method in config.methods:
+                    run_method(run, method, on_round)
+                    _write(config, rows, started)
     except StackError as exc:
         print(f"clawrl eval: {exc}", file=sys.stderr)
+        _write(config, rows, started)
+        return 1
+    except openai.APIError as exc:  # the proxy refused or failed a simulated user's request
+        print(f"clawrl eval: a simulated user's request failed: {exc}; partial results "
+              f"written to {config.out}", file=sys.stderr)
         _write(config, rows, started)
         return 1
     except KeyboardInterrupt:
@@ -497,6 +505,7 @@ def _raise_on_sigterm(signum: int, frame: Any) -> None:
 
 
 def _write(config: EvalConfig, rows: list[dict[str, Any]], started: float) -> None:
+    config.out.mkdir(parents=True, exist_ok=True)
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(config).items()}
     (config.out / "results.json").write_text(json.dumps(
         {"settings": settings, "minutes": round((time.monotonic() - started) / 60, 2),

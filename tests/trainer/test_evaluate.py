@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import pytest
 from openai import AsyncOpenAI
 
@@ -271,3 +272,25 @@ def test_learning_beats_no_training_through_the_real_stack(
     last = {r["method"]: r for r in rows if r["round"] == 6}
     assert last["combine"]["version"] == "6" and last["none"]["version"] == "0"
     assert last["combine"]["satisfied"] >= last["none"]["satisfied"] + 0.2, rows
+
+
+def test_a_failed_request_mid_run_is_one_line_and_keeps_the_rounds_done(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A request the proxy refuses (here a 429) ends the run with one readable line; the
+    rounds already probed are written, not lost."""
+    from trainer import evalstack
+
+    def one_round_then_refused(config: Any, method: str, on_round: Any) -> None:
+        on_round(method, 0, _seed_rows(config.seed, {"lowercase": [0.4]}, [1.0], method))
+        request = httpx.Request("POST", "http://proxy.test/v1/chat/completions")
+        raise openai.RateLimitError("Rate limit reached", body=None,
+                                    response=httpx.Response(429, request=request))
+
+    monkeypatch.setattr(evalstack, "run_method", one_round_then_refused)
+    config = evaluate.EvalConfig(model=tmp_path / "m", out=tmp_path / "out",
+                                 methods=("combine",), seeds=(3,))
+    assert evaluate.run_eval(config) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("clawrl eval: a simulated user's request failed: Rate limit reached")
+    saved = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert [(r["method"], r["seed"], r["round"]) for r in saved["probes"]] == [("combine", 3, 0)]
