@@ -74,13 +74,16 @@ def publish_version(
     backoff_s: float = 1.0,
     timeout_s: float = 600.0,
     transport: httpx.BaseTransport | None = None,
+    verify: bool = True,
 ) -> dict[str, Any]:
     """Make the engine serve `path` as weight_version str(version); retry with backoff.
 
     Raises CheckpointError (folder missing/corrupt, nothing sent) or PublishError (every
-    attempt failed; the engine still serves what it served before).
+    attempt failed; the engine still serves what it served before). `verify=False` skips
+    the completion-marker check: for a plain model folder (the base model).
     """
-    verify_version(path)
+    if verify:
+        verify_version(path)
     label = str(version)
     last: Exception | None = None
     # `transport`: tests inject engine faults with httpx.MockTransport.

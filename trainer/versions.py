@@ -2,11 +2,14 @@
 
     clawrl versions list                 every version: status, samples, loss, reward, folder
     clawrl versions rollback N           re-publish v N to the engine; newer versions 'retired'
+                                         (N = 0: the base model; every version 'retired')
     clawrl versions prune --keep K       delete folders of all but the newest K versions
 
 Rollback re-publishes the old folder with `weight_version = N`, so new turns record N. Newer
 versions are marked 'retired': a (re)started trainer resumes from N, never from a retired
-version. Stop the trainer before rolling back, or its next step publishes on top again.
+version. Version 0 is the base model (`--model` / the trainer's model dir): rolling back to
+it retires every version, and a restarted trainer starts over from the base weights (its
+versions keep counting up from the last step). Stop the trainer before rolling back, or its next step publishes on top again.
 Samples already trained by retired versions stay consumed. Prune never deletes the version
 the engine serves (nor the newest K non-retired versions, one of which the trainer resumes
 from); pruned versions are marked 'retired'.
@@ -62,15 +65,23 @@ def list_versions(db: Engine, weights_dir: Path) -> list[dict[str, Any]]:
 
 
 def rollback(db: Engine, engine: EngineSettings, weights_dir: Path, version: int,
-             attempts: int = 3) -> dict[str, Any]:
-    """Publish version N again and retire every newer version. Returns the engine's info."""
-    with db.connect() as conn:
-        row = conn.execute(select(PV.c.status).where(PV.c.version == version)).first()
-    if row is None:
-        raise VersionsError(f"no version {version} (see `clawrl versions list`)")
-    path = version_dir(weights_dir, version)
+             attempts: int = 3, base_dir: Path | None = None) -> dict[str, Any]:
+    """Publish version N again (0: the base model in `base_dir`) and retire every newer
+    version. Returns the engine's info."""
+    if version == 0:
+        if base_dir is None or not (base_dir / "config.json").is_file():
+            raise VersionsError(f"rollback to v0 needs the base model; none at {base_dir} "
+                                "(set --model or CLAWRL_TRAINER__MODEL)")
+        path = base_dir
+    else:
+        with db.connect() as conn:
+            row = conn.execute(select(PV.c.status).where(PV.c.version == version)).first()
+        if row is None:
+            raise VersionsError(f"no version {version} (see `clawrl versions list`)")
+        path = version_dir(weights_dir, version)
     try:
-        info = publish_version(engine, path, version, attempts=attempts)
+        # The base model is a plain Hugging Face folder: no completion marker to verify.
+        info = publish_version(engine, path, version, attempts=attempts, verify=version != 0)
     except (CheckpointError, PublishError) as exc:
         raise VersionsError(f"rollback to v{version} refused, engine unchanged: {exc}") from exc
     with db.begin() as conn:
@@ -132,7 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("list", help="list weight versions")
     rb = sub.add_parser("rollback", help="re-publish an older version")
-    rb.add_argument("version", type=int)
+    rb.add_argument("version", type=int, help="a version number; 0 = the base model")
+    rb.add_argument("--model", type=Path, help="the base model dir, for version 0 (default: "
+                    "the trainer's, <state_dir>/models/tinyworld)")
     pr = sub.add_parser("prune", help="delete old version folders")
     pr.add_argument("--keep", type=int, required=True)
     pr.add_argument("--dry-run", action="store_true")
@@ -147,7 +160,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "list":
             print_list(list_versions(db, weights_dir), engine_serving(settings.engine))
         elif args.cmd == "rollback":
-            info = rollback(db, settings.engine, weights_dir, args.version)
+            if args.version < 0:
+                raise VersionsError(f"no version {args.version} (versions count up from 0)")
+            info = rollback(db, settings.engine, weights_dir, args.version,
+                            base_dir=args.model or settings.model_dir())
             print(f"engine now serves v{info.get('weight_version')} from {info.get('model_path')}")
         else:
             pruned = prune(db, settings.engine, weights_dir, args.keep, args.dry_run)

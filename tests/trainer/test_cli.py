@@ -46,6 +46,15 @@ def test_versions_commands_refuse_bad_requests(db_url: str, db: Engine, tmp_path
                                          "unchanged:")
     assert "no completion marker" in out.stderr
 
+    out = clawrl("versions", "rollback", "-1", db_url=db_url, state=tmp_path)
+    assert out.returncode == 1
+    assert out.stderr.strip() == "clawrl versions: no version -1 (versions count up from 0)"
+    out = clawrl("versions", "rollback", "0", db_url=db_url, state=tmp_path)
+    assert out.returncode == 1
+    assert out.stderr.strip() == (
+        "clawrl versions: rollback to v0 needs the base model; none at "
+        f"{tmp_path / 'models' / 'tinyworld'} (set --model or CLAWRL_TRAINER__MODEL)")
+
     out = clawrl("versions", "prune", "--keep", "0", db_url=db_url, state=tmp_path)
     assert out.returncode == 1 and "--keep must be at least 1" in out.stderr
 

@@ -21,7 +21,7 @@ from proxy.db import PolicyVersion, TrainingStep
 from trainer.backends.torch import TorchBackend
 from trainer.config import Settings, TrainerSettings
 from trainer.train import train
-from trainer.versions import list_versions, prune, rollback
+from trainer.versions import VersionsError, list_versions, prune, rollback
 
 SampleFactory = Callable[..., int]
 States = Callable[[], dict[int, Any]]
@@ -191,6 +191,35 @@ def test_rollback_restores_older_weights_and_prune_keeps_the_serving_version(
     assert train(cfg, max_steps=1) == 1
     assert versions(db)[3] == "published"
     assert steps(db)[-1]["staleness_mean"] == 0.0  # samples from v1, trained from v1
+
+
+def test_rollback_to_v0_serves_the_base_model_and_training_starts_over_from_it(
+        tmp_path: Path, db_url: str, db: Engine, add_sample: SampleFactory,
+        tiny_model_dir: Path, engine_factory: Callable[..., str]) -> None:
+    url = engine_factory(tiny_model_dir)
+    cfg = settings_for(tmp_path, db_url, url, tiny_model_dir, batch_size=2)
+    fixed = rollout(url, PROMPT)["response_ids"]
+    base_logprobs, _ = score(url, PROMPT, fixed)
+    for reward in (1, -1, -1, -1):
+        add_sample(reward=reward, **rollout(url, PROMPT))
+    assert train(cfg, max_steps=2) == 2
+    trained, v = score(url, PROMPT, fixed)
+    assert v == "2" and trained != pytest.approx(base_logprobs, abs=1e-6)
+
+    with pytest.raises(VersionsError, match="rollback to v0 needs the base model"):
+        rollback(db, cfg.engine, cfg.weights_dir(), 0, base_dir=tmp_path / "nope")
+    assert score(url, PROMPT, fixed)[1] == "2"  # refused: the engine is unchanged
+    info = rollback(db, cfg.engine, cfg.weights_dir(), 0, base_dir=tiny_model_dir)
+    assert info["weight_version"] == "0"
+    after, v = score(url, PROMPT, fixed)
+    assert v == "0" and after == pytest.approx(base_logprobs, abs=1e-6)
+    assert versions(db) == {1: "retired", 2: "retired"}
+    # A restarted trainer starts from the base weights; its next version is step 3.
+    add_sample(reward=1, **rollout(url, PROMPT))
+    add_sample(reward=1, **rollout(url, PROMPT))
+    assert train(cfg, max_steps=1) == 1
+    assert versions(db)[3] == "published"
+    assert steps(db)[-1]["staleness_mean"] == 0.0  # samples from v0, trained from v0
 
 
 def test_a_restarted_engine_gets_the_current_version_back_and_rollback_stops_the_trainer(
