@@ -73,7 +73,7 @@ class EvalConfig:
     # Cap on waves of `parallel` sessions per user per round while a batch fills. A policy
     # that already satisfies its users earns few corrections (for `opd`: few hints), so a
     # batch may not fill; the trainer then trains what it has after MAX_WAIT_S (partial).
-    max_chats: int = 4
+    max_chats: int = 4  # per 32 samples of the batch
     probes: int = 64
     seed: int = 0
     seeds: tuple[int, ...] = ()  # several seeds: the whole run once per seed (default: `seed`)
@@ -144,7 +144,8 @@ async def run_rounds(config: EvalConfig, method: str, proxy_url: str, db_url: st
                 # Chat until a full batch is ready (the trainer only trains full batches),
                 # then wait for that version: one published version per round.
                 start = (await loop_state(db, method))[2]
-                for wave in range(config.max_chats):
+                # (about 16 samples per wave of 2 users x 4 sessions: scale with the batch)
+                for wave in range(config.max_chats * -(-config.batch_size // 32)):
                     await chat_wave(config, world, users, rnd, wave)
                     await wait_judged(db, method, config.round_timeout_s)
                     _, ready, newest = await loop_state(db, method)
@@ -160,6 +161,7 @@ async def run_rounds(config: EvalConfig, method: str, proxy_url: str, db_url: st
                              "user": user.name, "pref": user.pref,
                              "satisfied": round(res.satisfied, 4),
                              "correct": round(res.correct, 4), "examples": res.replies[:3],
+                             "wrong_examples": res.wrong[:5],
                              "elapsed_s": round(time.monotonic() - started, 1)})
             on_round(method, rnd, rows[-len(users):])
         return rows

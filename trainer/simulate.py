@@ -45,6 +45,7 @@ class ProbeResult:
     satisfied: float
     correct: float
     replies: list[str]
+    wrong: list[dict[str, str]]  # the probes answered wrongly: question, reply, true answer
 
 
 @dataclass
@@ -116,4 +117,7 @@ class SimUser:
         correct = [q is not None and is_correct(world, q, r)
                    for q, r in zip(questions, replies, strict=True)]
         ok = [satisfies(self.pref, r) for r in replies]
-        return ProbeResult(sum(ok) / len(ok), sum(correct) / len(correct), replies)
+        wrong = [{"question": p, "reply": r, "answer": world.answer(q) if q else "?"}
+                 for p, q, r, c in zip(prompts, questions, replies, correct, strict=True)
+                 if not c]
+        return ProbeResult(sum(ok) / len(ok), sum(correct) / len(correct), replies, wrong)
