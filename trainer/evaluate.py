@@ -28,7 +28,7 @@ round each preference reaches 0.9, and how far answer accuracy fell below the ba
 The model defaults to `<state_dir>/models/tinyworld` (built with `clawrl tinyworld build`
 when missing); `--small` is a CI-sized run: the CI-sized build (`tinyworld build --ci`,
 `<state_dir>/models/tinyworld-ci`), `combine` against `none`, one lowercase-loving user, 4
-rounds. Postgres: `CLAWRL_DATABASE__URL`
+rounds, 32 samples per version. Postgres: `CLAWRL_DATABASE__URL`
 (a fresh database per method is created on that server), else an embedded server per method.
 """
 
@@ -49,6 +49,7 @@ from trainer.world import EVAL_PREFERENCES, World
 
 METHODS = ("combine", "rl", "opd", "none")
 SMALL_ROUNDS = 4  # `--small`: a CI-sized run
+SMALL_BATCH = 32  # `--small` has one user: half the chat per version
 PARTIAL_AFTER_S = 45
 # The evaluation's targets: satisfaction on held-out prompts >= TARGET_SATISFIED within the
 # rounds run, for at least TARGET_PREFS preferences, while answer accuracy never falls more
@@ -68,7 +69,7 @@ class EvalConfig:
     prefs: tuple[str, ...] = ("lowercase", "brief")
     users_per_pref: int = 1
     rounds: int = 8
-    sessions: int = 8  # chat sessions per user per round for `none` (about what a batch takes)
+    sessions: int = 8  # chat sessions per user per round for `none` (which never trains)
     parallel: int = 4  # concurrent chat sessions per user
     # Cap on waves of `parallel` sessions per user per round while a batch fills. A policy
     # that already satisfies its users earns few corrections (for `opd`: few hints), so a
@@ -78,12 +79,14 @@ class EvalConfig:
     seed: int = 0
     seeds: tuple[int, ...] = ()  # several seeds: the whole run once per seed (default: `seed`)
     world_seed: int = 0
-    # Measured on the tiny world model (README, "See it learn"): with users who also correct
-    # wrong answers, 3e-4 x 32 samples per version is too slow (0.6-0.75 at v8), 6e-4 just
-    # reaches 0.9 at v8, 8e-4 by v4-v6, 1e-3 by v3-v5 with answer accuracy wobbling more.
+    # Measured on the tiny world model (README, "See it learn"): at 32 samples per version,
+    # lr 3e-4 is too slow (0.6-0.75 at v8), 6e-4 just reaches 0.9 at v8, 8e-4 by v4-v8
+    # (seed-dependent) with answer accuracy down 4-6 points by v8 on some seeds; 64 samples
+    # per version at 8e-4 reach 0.9 by v4-v6 on three seeds within 3 points of accuracy
+    # (a less noisy step, at about 1.5x the chat per round).
     lr: float = 8e-4
     kl_coef: float = 0.05
-    batch_size: int = 32
+    batch_size: int = 64
     round_timeout_s: float = 900.0
     engine_threads: int = 1
     # Connect to a running stack instead of starting one per method.
@@ -382,7 +385,9 @@ def parse_args(argv: list[str]) -> EvalConfig:
                    help="run everything once per seed, e.g. 0,1,2 (overrides --seed)")
     p.add_argument("--lr", type=float, default=EvalConfig.lr, help="trainer learning rate")
     p.add_argument("--kl-coef", type=float, default=0.05)
-    p.add_argument("--batch-size", type=int, default=32, help="samples per version")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help=f"samples per version (default {EvalConfig.batch_size}; "
+                        f"{SMALL_BATCH} with --small)")
     p.add_argument("--round-timeout", type=float, default=900.0)
     p.add_argument("--out", type=Path, default=None, help="output dir (default runs/eval-TIME)")
     p.add_argument("--proxy-url", help="connect to a running stack's proxy (with --engine-url "
@@ -395,6 +400,8 @@ def parse_args(argv: list[str]) -> EvalConfig:
         args.prefs = "lowercase" if args.small else "lowercase,brief"
     if args.rounds is None:
         args.rounds = SMALL_ROUNDS if args.small else 8
+    if args.batch_size is None:
+        args.batch_size = SMALL_BATCH if args.small else EvalConfig.batch_size
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
     prefs = tuple(x.strip() for x in args.prefs.split(",") if x.strip())
     bad = [m for m in methods if m not in METHODS] + [x for x in prefs
