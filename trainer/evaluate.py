@@ -312,8 +312,8 @@ def print_targets(summary: list[dict[str, Any]]) -> str:
             detail += "  " + ("MET" if t["met"] else "not met")
         lines.append(
             f"  {t['method']:<9} seed {t['seed']}: {detail}; accuracy {t['accuracy_base']:.2f} "
-            f"at round 0, worst {-t['worst_accuracy_drop'] * 100:+.0f} pts, "
-            f"last {-t['final_accuracy_drop'] * 100:+.0f} pts")
+            f"at round 0, worst {-t['worst_accuracy_drop'] * 100:+.1f} pts, "
+            f"last {-t['final_accuracy_drop'] * 100:+.1f} pts")
     return "\n".join(lines)
 
 
