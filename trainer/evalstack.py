@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import sys
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -162,7 +163,11 @@ def run_method(config: EvalConfig, method: str,
                                                       engine_url, on_round)))
     finally:
         stack.stop()
-        drop_database(server, db_name)
+        if config.keep_db:
+            (state / "database.txt").write_text(db_url + "\n")
+            print(f"clawrl eval: kept the {method} database: {db_url}", file=sys.stderr)
+        else:
+            drop_database(server, db_name)
         if embedded:
             stop_embedded(config.out.resolve())
 

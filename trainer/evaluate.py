@@ -89,6 +89,8 @@ class EvalConfig:
     batch_size: int = 64
     round_timeout_s: float = 900.0
     engine_threads: int = 1
+    # Keep each method's database (its URL in <out>/<method>/database.txt) to query with SQL.
+    keep_db: bool = False
     # Connect to a running stack instead of starting one per method.
     proxy_url: str | None = None
     engine_url: str | None = None
@@ -389,6 +391,9 @@ def parse_args(argv: list[str]) -> EvalConfig:
                    help=f"samples per version (default {EvalConfig.batch_size}; "
                         f"{SMALL_BATCH} with --small)")
     p.add_argument("--round-timeout", type=float, default=900.0)
+    p.add_argument("--keep-db", action="store_true",
+                   help="keep each method's database (URL in <out>/<method>/database.txt) "
+                        "to look at turns, judgments and hints with SQL afterwards")
     p.add_argument("--out", type=Path, default=None, help="output dir (default runs/eval-TIME)")
     p.add_argument("--proxy-url", help="connect to a running stack's proxy (with --engine-url "
                    "and CLAWRL_DATABASE__URL) instead of starting one per method")
@@ -432,6 +437,7 @@ def parse_args(argv: list[str]) -> EvalConfig:
                       seed=seeds[0], seeds=seeds,
                       lr=args.lr, kl_coef=args.kl_coef, batch_size=args.batch_size,
                       round_timeout_s=args.round_timeout, proxy_url=args.proxy_url,
+                      keep_db=args.keep_db,
                       engine_url=args.engine_url,
                       extra_env={"SMALL": "1"} if args.small else {})
 

@@ -216,6 +216,16 @@ def test_bad_arguments_are_one_clear_line(argv: list[str], message: str,
     assert message in capsys.readouterr().err
 
 
+def test_defaults_and_the_small_run() -> None:
+    full = evaluate.parse_args([])
+    assert (full.batch_size, full.rounds, full.methods, full.seeds) == (64, 8, evaluate.METHODS, (0,))
+    assert not full.keep_db
+    small = evaluate.parse_args(["--small", "--seeds", "3,4", "--keep-db"])
+    assert (small.batch_size, small.rounds, small.methods) == (32, 4, ("combine", "none"))
+    assert small.seeds == (3, 4) and small.seed == 3 and small.keep_db
+    assert small.model.name == "tinyworld-ci"
+
+
 def test_every_method_gets_the_same_trainer_settings_but_the_method() -> None:
     config = evaluate.EvalConfig(model=Path("m"), out=Path("o"))
     envs = [evaluate.stack_env(config, m) for m in ("rl", "opd", "combine")]
@@ -254,12 +264,29 @@ def test_small_eval_learns_above_no_training_through_the_real_stack(
     Measured while writing this (README, "See it learn"): combine 0.38 -> 0.84 while none
     stays at 0.28-0.31; the bar below is half that gap.
     """
-    rows = _eval_rows(["--small", "--model", str(ci_world_dir)], tmp_path / "eval", monkeypatch)
+    out = tmp_path / "eval"
+    rows = _eval_rows(["--small", "--model", str(ci_world_dir), "--keep-db"], out, monkeypatch)
     last = {r["method"]: r for r in rows if r["round"] == evaluate.SMALL_ROUNDS}
     assert last["combine"]["version"] == str(evaluate.SMALL_ROUNDS)
     assert last["none"]["version"] == "0"
     assert last["combine"]["pref"] == "lowercase"
     assert last["combine"]["satisfied"] >= last["none"]["satisfied"] + 0.25, rows
+    # --keep-db: each method's database stays for SQL: the run's turns, votes and versions.
+    import psycopg
+
+    from trainer.evalstack import drop_database
+
+    urls = {m: (out / m / "database.txt").read_text().strip() for m in ("combine", "none")}
+    try:
+        with psycopg.connect(urls["combine"].replace("+psycopg", "")) as conn:
+            judged, versions = conn.execute(
+                "SELECT (SELECT count(*) FROM judgments WHERE reward IS NOT NULL),"
+                " (SELECT count(*) FROM policy_versions WHERE published_at IS NOT NULL)").one()
+        assert judged >= 32 and versions == evaluate.SMALL_ROUNDS
+    finally:
+        for url in urls.values():
+            server, name = url.rsplit("/", 1)
+            drop_database(f"{server}/postgres", name)
 
 
 @pytest.mark.slow
