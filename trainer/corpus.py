@@ -27,12 +27,12 @@ from pathlib import Path
 from typing import Any
 
 from trainer.world import (
+    CORPUS_PRAISE,
     CORRECTIONS,
     EVAL_PREFERENCES,
     HINTS,
     ISSUE_WORDS,
     NEUTRAL,
-    PRAISE,
     PREFERENCES,
     Question,
     Style,
@@ -127,9 +127,9 @@ def _praise_or_move_on(chat: _Chat) -> str:
     rng = chat.rng
     kind = rng.random()
     if kind < 0.3:
-        chat.messages.append({"role": "user", "content": rng.choice(PRAISE)})
+        chat.messages.append({"role": "user", "content": rng.choice(CORPUS_PRAISE)})
         return "thanks"
-    prefix = rng.choice(PRAISE) + " " if kind < 0.7 else ""
+    prefix = rng.choice(CORPUS_PRAISE) + " " if kind < 0.7 else ""
     chat.ask(rng.choice(chat.world.train), prefix)
     return "thanks_next" if prefix else "next"
 
@@ -172,7 +172,7 @@ def hinted_example(world: World, rng: random.Random) -> list[Message]:
     if rng.random() < 0.3:  # an earlier exchange, as in a multi-turn request
         chat.ask(rng.choice(world.train))
         chat.reply()
-        chat.ask(rng.choice(world.train), rng.choice(("", rng.choice(PRAISE) + " ")))
+        chat.ask(rng.choice(world.train), rng.choice(("", rng.choice(CORPUS_PRAISE) + " ")))
     else:
         chat.ask(rng.choice(world.train))
     last = chat.messages[-1]
@@ -209,7 +209,7 @@ def _judged_turn(world: World, rng: random.Random) -> JudgedTurn:
     if rng.random() < 0.25:  # an earlier exchange in the context
         chat.ask(rng.choice(world.train))
         chat.reply()
-        chat.ask(rng.choice(world.train), rng.choice(("", rng.choice(PRAISE) + " ")))
+        chat.ask(rng.choice(world.train), rng.choice(("", rng.choice(CORPUS_PRAISE) + " ")))
     else:
         chat.ask(rng.choice(world.train))
     request = list(chat.messages)

@@ -327,6 +327,15 @@ HINTS: dict[str, tuple[str, ...]] = {
 PRAISE = ("thanks!", "great, thank you.", "perfect, thanks", "that's helpful, thanks",
           "nice, thank you!", "got it, thanks.", "awesome", "thank you, that's what I needed")
 FRESH_PRAISE = ("cool, appreciated", "exactly right, ty", "wonderful", "that works for me")
+# More praise for the corpus only (the simulated users keep PRAISE + FRESH_PRAISE): with eight
+# praise phrasings against many correction phrasings, the judge learned "any short message I
+# have not seen is a correction" and gave never-seen praise -1 and a made-up hint. None of these
+# shares a word with FRESH_PRAISE.
+CORPUS_PRAISE = PRAISE + (
+    "nice one", "good answer, thanks", "yes, that's it", "lovely, thank you", "sounds good",
+    "great stuff", "brilliant, thanks", "ok, thank you", "that's what I wanted", "helpful, cheers",
+    "good to know", "thanks a lot", "correct, thanks", "splendid", "neat", "fantastic, thank you",
+    "super", "ah, thanks", "noted, thanks!", "makes sense, thanks")
 NEUTRAL = ("hmm.", "let me think.", "one sec.", "wait", "i see.", "ok...")
 ISSUE_WORDS = {
     "lowercase": "lowercase text", "brief": "a shorter answer", "no_lists": "prose, not a list",
