@@ -279,10 +279,11 @@ def test_small_eval_learns_above_no_training_through_the_real_stack(
     urls = {m: (out / m / "database.txt").read_text().strip() for m in ("combine", "none")}
     try:
         with psycopg.connect(urls["combine"].replace("+psycopg", "")) as conn:
-            judged, versions = conn.execute(
+            row = conn.execute(
                 "SELECT (SELECT count(*) FROM judgments WHERE reward IS NOT NULL),"
-                " (SELECT count(*) FROM policy_versions WHERE published_at IS NOT NULL)").one()
-        assert judged >= 32 and versions == evaluate.SMALL_ROUNDS
+                " (SELECT count(*) FROM policy_versions WHERE published_at IS NOT NULL)"
+            ).fetchone()
+        assert row is not None and row[0] >= 32 and row[1] == evaluate.SMALL_ROUNDS, row
     finally:
         for url in urls.values():
             server, name = url.rsplit("/", 1)
