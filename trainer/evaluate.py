@@ -228,7 +228,7 @@ def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs)
 
 
-def _cell(rows: list[dict[str, Any]], key: str, **match: Any) -> list[float]:
+def _cell(rows: list[dict[str, Any]], key: str, **match: Any) -> list[Any]:
     return [r[key] for r in rows if all(r.get(k) == v for k, v in match.items())]
 
 
@@ -245,14 +245,14 @@ def print_table(rows: list[dict[str, Any]]) -> str:
     for rnd in sorted({r["round"] for r in rows}):
         cells = []
         for m, u in cols:
-            hit = [r for r in rows if r["round"] == rnd and r["method"] == m and r["user"] == u]
-            if not hit:
+            cell = {"round": rnd, "method": m, "user": u}
+            versions = set(_cell(rows, "version", **cell))
+            if not versions:
                 cells.append("-".ljust(22))
                 continue
-            versions = {r["version"] for r in hit}
             version = versions.pop() if len(versions) == 1 else "*"
-            cells.append(f"{_mean([r['satisfied'] for r in hit]):.2f} (v{version}, acc "
-                         f"{_mean([r['correct'] for r in hit]):.2f})".ljust(22))
+            cells.append(f"{_mean(_cell(rows, 'satisfied', **cell)):.2f} (v{version}, acc "
+                         f"{_mean(_cell(rows, 'correct', **cell)):.2f})".ljust(22))
         lines.append(f"{rnd:<5}  " + "  ".join(cells))
     return "\n".join(lines)
 
