@@ -126,8 +126,9 @@ async def wait_published(db: Any, method: str, engine_url: str, after: int,
 
 
 def run_method(config: EvalConfig, method: str,
-               on_round: Callable[[str, int, list[dict[str, Any]]], None]) -> list[dict[str, Any]]:
-    """Start a fresh stack for `method`, run the rounds, stop everything; the probe rows."""
+               on_round: Callable[[str, int, list[dict[str, Any]]], None]) -> None:
+    """Start a fresh stack for `method`, run the rounds (probe rows to `on_round`), stop
+    everything."""
     from proxy.dbcli import resolve_url, stop_embedded
     from proxy.settings import load_settings
     from trainer.evaluate import run_rounds, stack_env
@@ -159,8 +160,8 @@ def run_method(config: EvalConfig, method: str,
             stack.start("train", ["train", "--model", str(config.model.resolve()),
                                   "--engine-url", engine_url, "--method", method,
                                   "--weights-dir", str(state / "weights")])
-        return asyncio.run(_guarded(stack, run_rounds(config, method, proxy_url, db_url,
-                                                      engine_url, on_round)))
+        asyncio.run(_guarded(stack, run_rounds(config, method, proxy_url, db_url,
+                                               engine_url, on_round)))
     finally:
         stack.stop()
         if config.keep_db:

@@ -115,8 +115,9 @@ def stack_env(config: EvalConfig, method: str) -> dict[str, str]:
 
 
 async def run_rounds(config: EvalConfig, method: str, proxy_url: str, db_url: str,
-                     engine_url: str, on_round: Any) -> list[dict[str, Any]]:
-    """Create the users, then chat / wait for training / probe, round after round."""
+                     engine_url: str, on_round: Any) -> None:
+    """Create the users, then chat / wait for training / probe, round after round; each
+    round's probe rows go to `on_round`."""
     from openai import AsyncOpenAI
 
     from proxy import admin
@@ -139,7 +140,6 @@ async def run_rounds(config: EvalConfig, method: str, proxy_url: str, db_url: st
             client = AsyncOpenAI(base_url=f"{proxy_url}/v1", api_key=key.secret,
                                  max_retries=2, timeout=600.0)
             users.append(SimUser(name, pref, client, random.Random(f"user-{config.seed}-{i}")))
-        rows: list[dict[str, Any]] = []
         started = time.monotonic()
         for rnd in range(config.rounds + 1):
             if rnd > 0 and method == "none":
@@ -160,16 +160,13 @@ async def run_rounds(config: EvalConfig, method: str, proxy_url: str, db_url: st
             version = await _serving_version(engine_url)
             trained = await _version_stats(db, version)
             results = await asyncio.gather(*(u.probe(world, probe_prompts) for u in users))
-            for user, res in zip(users, results, strict=True):
-                rows.append({"method": method, "seed": config.seed, "round": rnd,
-                             "version": version, **trained,
-                             "user": user.name, "pref": user.pref,
-                             "satisfied": round(res.satisfied, 4),
-                             "correct": round(res.correct, 4), "examples": res.replies[:3],
-                             "wrong_examples": res.wrong[:5],
-                             "elapsed_s": round(time.monotonic() - started, 1)})
-            on_round(method, rnd, rows[-len(users):])
-        return rows
+            on_round(method, rnd, [
+                {"method": method, "seed": config.seed, "round": rnd, "version": version,
+                 **trained, "user": user.name, "pref": user.pref,
+                 "satisfied": round(res.satisfied, 4), "correct": round(res.correct, 4),
+                 "examples": res.replies[:3], "wrong_examples": res.wrong[:5],
+                 "elapsed_s": round(time.monotonic() - started, 1)}
+                for user, res in zip(users, results, strict=True)])
     finally:
         for user in users:
             await user.client.close()
@@ -209,7 +206,7 @@ async def _serving_version(engine_url: str) -> str:
     return "0" if version in (None, "default") else str(version)
 
 
-def run_connected(config: EvalConfig, on_round: Any) -> list[dict[str, Any]]:
+def run_connected(config: EvalConfig, on_round: Any) -> None:
     """Measure an already running stack (its own trainer and method) over `--rounds`."""
     from proxy.settings import load_settings
 
@@ -220,8 +217,8 @@ def run_connected(config: EvalConfig, on_round: Any) -> list[dict[str, Any]]:
         raise StackError("--proxy-url needs CLAWRL_DATABASE__URL (to create the users' keys)")
     db_url = settings.database.url.get_secret_value()
     proxy_url = config.proxy_url.rstrip("/").removesuffix("/v1")
-    return asyncio.run(run_rounds(config, CONNECTED, proxy_url, db_url,
-                                  config.engine_url.rstrip("/"), on_round))
+    asyncio.run(run_rounds(config, CONNECTED, proxy_url, db_url,
+                           config.engine_url.rstrip("/"), on_round))
 
 
 def _mean(xs: list[float]) -> float:
