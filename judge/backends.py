@@ -29,6 +29,9 @@ from judge.errors import (
 from judge.parse import storable
 from proxy.settings import EngineSettings
 
+# The model name sent to (and stored for) a judge engine at CLAWRL_JUDGE__URL.
+JUDGE_ENGINE_MODEL = "judge"
+
 
 @dataclass(frozen=True)
 class Completion:
@@ -36,6 +39,9 @@ class Completion:
     # The judge as stored in judgments.judge_model: the API's model name, or
     # `policy@<weight_version>` when the policy engine judged (its version changes).
     label: str
+    # With `top_logprobs`: each generated token and its most likely alternatives, as
+    # OpenAI's `choices[0].logprobs.content` ([] when the endpoint returned none).
+    tokens: list[dict[str, Any]] | None = None
 
 
 def _error_message(response: httpx.Response) -> str:
@@ -86,10 +92,12 @@ class ChatBackend:
         self.semaphore = asyncio.Semaphore(concurrency)
 
     async def complete(self, messages: Sequence[Mapping[str, Any]], *, temperature: float,
-                       max_tokens: int) -> Completion:
+                       max_tokens: int, top_logprobs: int = 0) -> Completion:
         body: dict[str, Any] = {"model": self.model or "default", "messages": list(messages),
                                 "temperature": temperature, "max_tokens": max_tokens,
                                 "n": 1, "stream": False}
+        if top_logprobs:
+            body |= {"logprobs": True, "top_logprobs": top_logprobs}
         async with self.semaphore:
             data = await post_json(self.client, self.url, body, what="judge",
                                    headers=self.headers)
@@ -104,7 +112,13 @@ class ChatBackend:
             label = self.model
         else:
             label = "policy" if version is None else f"policy@{version}"
-        return Completion(text=storable(text) if isinstance(text, str) else "", label=label)
+        tokens = None
+        if top_logprobs:
+            logprobs = data["choices"][0].get("logprobs")
+            content = logprobs.get("content") if isinstance(logprobs, dict) else None
+            tokens = [t for t in content if isinstance(t, dict)] if isinstance(content, list) else []
+        return Completion(text=storable(text) if isinstance(text, str) else "", label=label,
+                          tokens=tokens)
 
 
 def http_client(timeout_s: float, connect_timeout_s: float, *, max_connections: int,
@@ -118,7 +132,8 @@ def http_client(timeout_s: float, connect_timeout_s: float, *, max_connections: 
 
 def build_judge_backend(settings: JudgeSettings, engine: EngineSettings,
                         client: httpx.AsyncClient) -> ChatBackend:
-    """The configured judge: the policy engine (default) or an OpenAI-compatible API."""
+    """The configured judge: an OpenAI-compatible API, the judge engine at `settings.url`,
+    or (default) the policy engine."""
     if settings.backend == "openai":
         assert settings.openai.base_url is not None  # checked by JudgeSettings
         key = settings.openai.api_key
@@ -126,6 +141,11 @@ def build_judge_backend(settings: JudgeSettings, engine: EngineSettings,
                            api_key=key.get_secret_value() if key else None,
                            concurrency=settings.backend_concurrency)
     key = engine.api_key
+    if settings.url is not None:  # the judge engine: one frozen model
+        judge_key = settings.api_key or key  # `clawrl up` gives both engines one key
+        return ChatBackend(client, settings.url.rstrip("/") + "/v1", model=JUDGE_ENGINE_MODEL,
+                           api_key=judge_key.get_secret_value() if judge_key else None,
+                           concurrency=settings.backend_concurrency)
     return ChatBackend(client, engine.url.rstrip("/") + "/v1", model=None,
                        api_key=key.get_secret_value() if key else None,
                        concurrency=settings.backend_concurrency)

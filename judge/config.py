@@ -2,7 +2,8 @@
 
 Examples: `CLAWRL_JUDGE__VOTES=5`, `CLAWRL_JUDGE__BACKEND=openai`,
 `CLAWRL_JUDGE__OPENAI__BASE_URL=https://api.example.com/v1`, `CLAWRL_JUDGE__OPENAI__API_KEY=…`,
-`CLAWRL_JUDGE__OPENAI__MODEL=judge-large`, `CLAWRL_JUDGE__TEACHER_URL=http://teacher:30000`.
+`CLAWRL_JUDGE__OPENAI__MODEL=judge-large`, `CLAWRL_JUDGE__TEACHER_URL=http://teacher:30000`,
+`CLAWRL_JUDGE__URL=http://127.0.0.1:30001` (a judge engine, e.g. the one `clawrl up` starts).
 Built by `load_judge_settings()`, never at import time.
 """
 
@@ -30,6 +31,11 @@ class JudgeSettings(BaseModel):
     votes: int = Field(default=3, ge=1)
     hint_votes: int = Field(default=3, ge=0)
     temperature: float = Field(default=0.6, ge=0.0)
+    # 'sample': each PRM vote is a sampled completion; 'logprob': one greedy completion with
+    # its top alternatives, the votes drawn from its distribution over scores (judge/prm.py).
+    prm_mode: Literal["sample", "logprob"] = "sample"
+    # The hint votes' temperature; None: `temperature`. 0 with hint_votes=1 is one greedy hint.
+    hint_temperature: float | None = Field(default=None, ge=0.0)
     max_tokens: int = Field(default=64, ge=1)
     # Jobs one worker process handles at once.
     concurrency: int = Field(default=4, ge=1)
@@ -41,8 +47,14 @@ class JudgeSettings(BaseModel):
     backoff_max_s: float = Field(default=300.0, gt=0)
     # Fallback poll when no NOTIFY arrives (also picks up expired leases and backoffs).
     poll_interval_s: float = Field(default=1.0, gt=0)
-    # 'policy': the serving engine at CLAWRL_ENGINE__URL; 'openai': `openai` below.
+    # 'policy': the serving engine at CLAWRL_ENGINE__URL, or the judge engine at `url` when
+    # set; 'openai': `openai` below.
     backend: Literal["policy", "openai"] = "policy"
+    # A judge engine of its own (SGLang protocol, one frozen judge model; `clawrl up` starts
+    # one): PRM and hint votes go there. Teacher logprobs stay on the policy engine.
+    url: str | None = None
+    # The judge engine's API key; default: the policy engine's (CLAWRL_ENGINE__API_KEY).
+    api_key: SecretStr | None = None
     openai: OpenAIBackendSettings = OpenAIBackendSettings()
     # Concurrent requests this worker sends to the judge backend.
     backend_concurrency: int = Field(default=8, ge=1)
@@ -62,6 +74,19 @@ class JudgeSettings(BaseModel):
             raise ValueError("judge backend 'openai' needs CLAWRL_JUDGE__OPENAI__BASE_URL "
                              "and CLAWRL_JUDGE__OPENAI__MODEL")
         return self
+
+
+# How the judge worker talks to the shipped judge model (`clawrl judge serve`, started by
+# `clawrl up`; trainer/judgemodel/): the prompts it was trained on (v4: one prompt, answered
+# with the score first and then the hint), the PRM votes drawn from that greedy answer's
+# distribution over its first token, the same answer as the one hint vote (docs/judge.md).
+JUDGE_MODEL_SETTINGS: dict[str, object] = {
+    "prompt_version": "v4", "prm_mode": "logprob", "hint_votes": 1, "hint_temperature": 0.0}
+
+
+def judge_model_env() -> dict[str, str]:
+    """`JUDGE_MODEL_SETTINGS` as the environment of a judge worker process."""
+    return {f"CLAWRL_JUDGE__{k.upper()}": str(v) for k, v in JUDGE_MODEL_SETTINGS.items()}
 
 
 class JudgeProcessSettings(Settings):

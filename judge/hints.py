@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from judge.backends import ChatBackend
+from judge.backends import ChatBackend, Completion
 from judge.parse import parse_hint
 from judge.prm import sample_votes
 
@@ -44,11 +44,14 @@ def choose_hint(votes: Sequence[HintVote]) -> str | None:
     return max(accepted, key=len) if accepted else None
 
 
+def hint_from(completions: Sequence[Completion], min_chars: int) -> HintResult:
+    cast = [read_hint_vote(c.text, min_chars) for c in completions]
+    return HintResult(hint=choose_hint(cast), votes=cast)
+
+
 async def extract_hint(backend: ChatBackend, prompt: str, *, votes: int, temperature: float,
                        max_tokens: int, min_chars: int) -> HintResult:
     if votes == 0:
         return HintResult(hint=None, votes=[])
-    completions = await sample_votes(backend, prompt, votes, temperature=temperature,
-                                     max_tokens=max_tokens)
-    cast = [read_hint_vote(c.text, min_chars) for c in completions]
-    return HintResult(hint=choose_hint(cast), votes=cast)
+    return hint_from(await sample_votes(backend, prompt, votes, temperature=temperature,
+                                        max_tokens=max_tokens), min_chars)

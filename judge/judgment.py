@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from sqlalchemy import insert, select, update
@@ -22,14 +23,24 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from judge.backends import ChatBackend
 from judge.config import JudgeSettings
 from judge.errors import JobInvalid, PromptTooLong, first_error
-from judge.hints import HintResult, extract_hint
-from judge.prm import PrmResult, score_turn
+from judge.hints import HintResult, extract_hint, hint_from
+from judge.prm import (
+    PrmResult,
+    greedy_with_alternatives,
+    prm_from_distribution,
+    prm_from_samples,
+    sample_votes,
+    score_turn,
+)
 from judge.prompts import (
     FeedbackItem,
-    load_template,
+    check_version,
+    is_combined,
     render_fields,
     render_hint,
+    render_judge,
     render_prm,
+    score_first,
 )
 from judge.teacher import TeacherEngine, TeacherResult, compute_teacher_logprobs
 from proxy.db import Feedback, Judgment, Sample, Turn, User
@@ -96,24 +107,48 @@ async def load_turn(conn: AsyncConnection,
     return turn, bool(row.train_opt_out), items
 
 
+async def cast_votes(backend: ChatBackend, fields: Mapping[str, str], settings: JudgeSettings,
+                     prompt_version: str) -> tuple[PrmResult, HintResult]:
+    """The PRM and hint votes on one turn's rendered fields, all at once. A combined prompt
+    version asks once: in `logprob` mode one greedy answer gives the drawn PRM votes and the
+    one hint vote; in `sample` mode each of `votes` samples is a PRM and a hint vote."""
+    if is_combined(prompt_version):
+        prompt = render_judge(fields, prompt_version)
+        leading = score_first(prompt_version)
+        if settings.prm_mode == "logprob":
+            answer = await greedy_with_alternatives(backend, prompt,
+                                                    max_tokens=settings.max_tokens)
+            return (prm_from_distribution(answer, prompt, votes=settings.votes,
+                                          temperature=settings.temperature, leading=leading),
+                    hint_from([answer], settings.min_hint_chars))
+        answers = await sample_votes(backend, prompt, settings.votes,
+                                     temperature=settings.temperature,
+                                     max_tokens=settings.max_tokens)
+        return (prm_from_samples(answers, leading=leading),
+                hint_from(answers, settings.min_hint_chars))
+    hint_temperature = (settings.temperature if settings.hint_temperature is None
+                        else settings.hint_temperature)
+    try:
+        async with asyncio.TaskGroup() as tg:
+            prm_task = tg.create_task(score_turn(
+                backend, render_prm(fields, prompt_version), votes=settings.votes,
+                temperature=settings.temperature, max_tokens=settings.max_tokens,
+                mode=settings.prm_mode))
+            hint_task = tg.create_task(extract_hint(
+                backend, render_hint(fields, prompt_version), votes=settings.hint_votes,
+                min_chars=settings.min_hint_chars, temperature=hint_temperature,
+                max_tokens=settings.max_tokens))
+    except BaseExceptionGroup as group:
+        raise first_error(group) from None
+    return prm_task.result(), hint_task.result()
+
+
 async def run_judges(turn: Turn, feedback: list[FeedbackItem], *, settings: JudgeSettings,
                      backend: ChatBackend, teacher: TeacherEngine | None,
                      prompt_version: str) -> Verdict:
     fields = render_fields(turn.request_messages or [], turn.response_message, turn.next_state,
                            feedback)
-    temperature, max_tokens = settings.temperature, settings.max_tokens
-    try:
-        async with asyncio.TaskGroup() as tg:  # PRM and hint votes all at once
-            prm_task = tg.create_task(score_turn(
-                backend, render_prm(fields, prompt_version), votes=settings.votes,
-                temperature=temperature, max_tokens=max_tokens))
-            hint_task = tg.create_task(extract_hint(
-                backend, render_hint(fields, prompt_version), votes=settings.hint_votes,
-                min_chars=settings.min_hint_chars, temperature=temperature,
-                max_tokens=max_tokens))
-    except BaseExceptionGroup as group:
-        raise first_error(group) from None
-    prm, hints = prm_task.result(), hint_task.result()
+    prm, hints = await cast_votes(backend, fields, settings, prompt_version)
     teacher_result: TeacherResult | None = None
     if hints.hint is not None and teacher is not None:
         teacher_result = await compute_teacher_logprobs(
@@ -183,8 +218,7 @@ async def judge_job(db: AsyncEngine, job: ClaimedJob, worker: str, *, settings: 
         raise JobInvalid("judge job without a turn_id")
     prompt_version = str(job.payload.get("prompt_version") or settings.prompt_version)
     try:
-        load_template("prm", prompt_version)
-        load_template("hint", prompt_version)
+        check_version(prompt_version)
     except (FileNotFoundError, ValueError) as exc:
         raise JobInvalid(f"prompt version {prompt_version!r}: {exc}") from exc
     async with db.connect() as conn:

@@ -1,10 +1,11 @@
 """Versioned judge prompts: load the template files and render a turn into them.
 
-Pure functions over plain JSON-like data, stdlib only. /work/notes/judge-format.md (and the
-project README) document this rendering exactly, because the tiny world model's pretraining
-corpus (trainer/tinyworld) replicates it without importing this module.
+Pure functions over plain JSON-like data, stdlib only. docs/judge-format.md documents this
+rendering exactly, because the tiny world model's pretraining corpus (trainer/world/corpus.py)
+replicates it without importing this module.
 
-Templates live in `judge/templates/{kind}_{version}.txt` (kind: prm, hint, teacher) and are
+Templates live in `judge/templates/{kind}_{version}.txt` (kind: prm, hint, teacher; or judge
+for a version that asks for the verdict and the hint in one answer) and are
 filled with `str.format` after stripping trailing whitespace from the file.
 The rendered judge prompt is sent as the only message, role `user`, with no system message.
 """
@@ -25,6 +26,9 @@ DEFAULT_VERSION = "v1"
 CONTEXT_MESSAGES = 4
 # A message body longer than this is cut to its first MAX_MESSAGE_CHARS characters + "...".
 MAX_MESSAGE_CHARS = 600
+# Combined versions answered with the bare score first ("1 [NO_HINT]", "-1 [HINT] … [/HINT]")
+# instead of a `\\boxed{…}`: the answer's first token is the decision.
+SCORE_FIRST_VERSIONS = frozenset({"v4"})
 # System-like roles are left out of the context: agent frameworks rewrite them per request.
 _SKIPPED_ROLES = frozenset({"system", "developer"})
 
@@ -123,6 +127,31 @@ def render_fields(request_messages: Sequence[Mapping[str, Any]],
         "next_state": "\n".join(render_message(m) for m in as_messages(next_state)),
         "feedback": render_feedback(feedback),
     }
+
+
+def is_combined(version: str) -> bool:
+    """Whether `version` asks for the verdict and the hint in one answer (`judge_{version}.txt`,
+    answered `\\boxed{..}` then `[HINT] … [/HINT]` or `[NO_HINT]`) instead of two prompts."""
+    return (TEMPLATE_DIR / f"judge_{version}.txt").is_file()
+
+
+def score_first(version: str) -> bool:
+    """Whether `version`'s answer starts with the bare score rather than a `\\boxed{…}`."""
+    return version in SCORE_FIRST_VERSIONS
+
+
+def check_version(version: str) -> None:
+    """Raise FileNotFoundError (or ValueError) unless `version`'s templates exist."""
+    if is_combined(version):
+        load_template("judge", version)
+    else:
+        load_template("prm", version)
+        load_template("hint", version)
+    load_template("teacher", version)
+
+
+def render_judge(fields: Mapping[str, str], version: str) -> str:
+    return load_template("judge", version).format(**fields)
 
 
 def render_prm(fields: Mapping[str, str], version: str = DEFAULT_VERSION) -> str:

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import os
 import sys
 
 from sqlalchemy import Engine, text
 
-from judge.prompts import load_template
+from judge.prompts import check_version
 from proxy.jobs import JOB_CHANNEL
 
 # One statement: insert the jobs and notify the workers (delivered at commit).
@@ -39,8 +40,7 @@ SELECT count(*) AS n, pg_notify(:channel, 'judge') FROM picked
 def enqueue_rejudge(db: Engine, since: dt.datetime, prompt_version: str,
                     until: dt.datetime | None = None) -> int:
     """Enqueue judge jobs for the matching turns; returns how many."""
-    load_template("prm", prompt_version)  # fail before touching the DB on a bad version
-    load_template("hint", prompt_version)
+    check_version(prompt_version)  # fail before touching the DB on a bad version
     with db.begin() as conn:
         row = conn.execute(text(_REJUDGE_SQL).bindparams(
             version=prompt_version, since=since, until=until, channel=JOB_CHANNEL)).one()
@@ -63,7 +63,10 @@ def main(argv: list[str]) -> int:
 
     from judge.config import describe_settings_error, load_judge_settings
     from proxy.db import create_engine
-    from proxy.dbcli import resolve_url
+    from proxy.dbcli import resolve_admin_url
+    from proxy.statefile import apply_to_env
+
+    apply_to_env(os.environ)  # the running `clawrl up`'s database, from any folder
 
     try:
         since = parse_time(args.since)
@@ -79,14 +82,14 @@ def main(argv: list[str]) -> int:
         return 2
     version = args.prompt_version or settings.judge.prompt_version
     try:
-        load_template("prm", version)
-        load_template("hint", version)
+        check_version(version)
     except (FileNotFoundError, ValueError) as exc:
         print(f"clawrl judge rejudge: unknown prompt version {version!r}: {exc}",
               file=sys.stderr)
         return 2
     try:
-        engine = create_engine(resolve_url(settings))
+        # never creates an embedded database as a side effect
+        engine = create_engine(resolve_admin_url(settings))
         try:
             n = enqueue_rejudge(engine, since, version, until)
         finally:

@@ -51,6 +51,7 @@ from proxy.jobs import (
     fail_stmt,
     retry_stmt,
 )
+from proxy.settings import EngineSettings
 
 log = logging.getLogger("clawrl.judge")
 JOB_KIND = "judge"
@@ -63,6 +64,18 @@ def backoff_s(attempts: int, settings: JudgeSettings) -> float:
 
 def attempt_cap(job: ClaimedJob, settings: JudgeSettings) -> int:
     return min(job.max_attempts, settings.max_attempts)
+
+
+def teacher_client(settings: JudgeSettings, engine: EngineSettings,
+                   transport: httpx.AsyncBaseTransport | None = None) -> EngineClient:
+    """The teacher engine's client: the policy engine (with its key) unless a teacher URL is
+    set."""
+    url = settings.teacher_url or engine.url
+    key = engine.api_key if settings.teacher_url is None else None
+    return EngineClient(url, api_key=key.get_secret_value() if key else None,
+                        timeout=httpx.Timeout(settings.teacher_timeout_s,
+                                              connect=settings.connect_timeout_s),
+                        transport=transport, max_connections=settings.backend_concurrency * 2)
 
 
 class Worker:
@@ -115,14 +128,7 @@ class Worker:
         """The teacher engine's client: the policy engine unless a teacher URL is set."""
         if not self.settings.teacher_enabled:
             return None
-        s = self.settings
-        url = s.teacher_url or self.engine_settings.url
-        key = self.engine_settings.api_key if s.teacher_url is None else None
-        return EngineClient(url, api_key=key.get_secret_value() if key else None,
-                            timeout=httpx.Timeout(s.teacher_timeout_s,
-                                                  connect=s.connect_timeout_s),
-                            transport=self.teacher_transport,
-                            max_connections=s.backend_concurrency * 2)
+        return teacher_client(self.settings, self.engine_settings, self.teacher_transport)
 
     async def claim_loop(self, stop: asyncio.Event, backend: ChatBackend,
                          teacher: TeacherEngine | None) -> None:
@@ -296,6 +302,14 @@ def main(argv: list[str]) -> int:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         print(f"clawrl judge: cannot use the database: {first}", file=sys.stderr)
         return 1
+    if settings.judge.teacher_enabled:  # the teacher engine must score fixed responses
+        from proxy.engine_check import check_at_start
+
+        problem = check_at_start(teacher_client(settings.judge, settings.engine),
+                                 ("teacher_logprobs",))
+        if problem:
+            print(f"clawrl judge: {problem}", file=sys.stderr)
+            return 1
     setup_logging()
     asyncio.run(serve(settings, db_url, name=args.name, concurrency=args.concurrency))
     return 0

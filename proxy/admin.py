@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import datetime as dt
 import hmac
+import logging
 import sys
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import asdict, dataclass
@@ -35,13 +36,24 @@ from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict
 from sqlalchemy import delete, func, insert, select, update
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import IntegrityError, InterfaceError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from proxy.auth import bearer_token, generate_key, hash_secret, parse_prefix
 from proxy.console import print_csv, print_table, run_cli, run_readonly_sql
-from proxy.db import ApiKey, Judgment, Sample, Turn, User, create_async
-from proxy.errors import BadRequest, ClawrlError, Forbidden, NotFound, Unauthorized
+from proxy.db import ApiKey, DeadLetter, Judgment, Sample, Turn, User, create_async
+from proxy.errors import (
+    BadRequest,
+    ClawrlError,
+    Forbidden,
+    NotFound,
+    Unauthorized,
+    Unavailable,
+)
+from proxy.journal import Journal
+from proxy.settings import load_settings
+
+log = logging.getLogger("clawrl.proxy.admin")
 
 
 class Conflict(ClawrlError):
@@ -64,6 +76,8 @@ class KeyInfo:
     user: str
     name: str | None
     rate_limit_rpm: int | None
+    max_concurrent: int | None
+    rate_limit_tpm: int | None
     created_at: dt.datetime
     revoked_at: dt.datetime | None
     last_used_at: dt.datetime | None
@@ -76,7 +90,8 @@ class CreatedKey:
 
 
 _KEY_COLUMNS = (ApiKey.id, ApiKey.prefix, User.name, ApiKey.name, ApiKey.rate_limit_rpm,
-                ApiKey.created_at, ApiKey.revoked_at, ApiKey.last_used_at)
+                ApiKey.max_concurrent, ApiKey.rate_limit_tpm, ApiKey.created_at,
+                ApiKey.revoked_at, ApiKey.last_used_at)
 _USER_COLUMNS = (User.id, User.name, User.created_at, User.train_opt_out, User.log_opt_out)
 
 
@@ -92,6 +107,17 @@ def check_rpm(rpm: int | None) -> int | None:
     if rpm is not None and rpm < 0:
         raise BadRequest("rate_limit_rpm must be >= 0 (0 = unlimited).", code="invalid_rpm")
     return rpm
+
+
+_INT32 = 2**31 - 1
+
+
+def check_limit(name: str, value: int | None) -> int | None:
+    """A per-key limit: None (the proxy's default), 0 (unlimited) or a positive number."""
+    if value is not None and not 0 <= value <= _INT32:
+        raise BadRequest(f"{name} must be between 0 and {_INT32} (0 = unlimited).",
+                         code="invalid_limit", param=name)
+    return value
 
 
 def _user(row: Sequence[Any]) -> UserInfo:
@@ -135,8 +161,10 @@ async def list_users(db: AsyncEngine) -> list[UserInfo]:
     return [_user(r) for r in rows]
 
 
-async def delete_user(db: AsyncEngine, name: str) -> dict[str, int]:
-    """Delete a user and, by cascade, their keys, sessions, turns, judgments and samples."""
+async def delete_user(db: AsyncEngine, name: str,
+                      journal: Journal | None = None) -> dict[str, int]:
+    """Delete a user and, by cascade, their keys, sessions, turns, judgments and samples;
+    also their dead letters and, when given, their turns waiting in the local journal."""
     async with db.begin() as conn:
         user_id = (await conn.execute(
             select(User.id).where(User.name == name).with_for_update())).scalar()
@@ -151,7 +179,15 @@ async def delete_user(db: AsyncEngine, name: str) -> dict[str, int]:
             "samples": (await conn.execute(
                 select(func.count()).where(Sample.user_id == user_id))).scalar_one(),
         }
+        # A turn's dead letter is its record as JSON, which starts with uid and user_id
+        # (proxy/store.py); matched as text, since a payload need not be valid jsonb.
+        counts["dead_letters"] = (await conn.execute(
+            delete(DeadLetter).where(DeadLetter.kind == "turn", DeadLetter.payload.regexp_match(
+                f'^\\{{"uid": "[^"]*", "user_id": {int(user_id)},')))).rowcount or 0
         await conn.execute(delete(User).where(User.id == user_id))
+    if journal is not None:
+        # In a thread: it waits for a replay in progress, possibly this process's own.
+        counts["journaled_turns"] = await asyncio.to_thread(journal.forget_user, user_id)
     return counts
 
 
@@ -174,9 +210,13 @@ async def set_opt_out(db: AsyncEngine, name: str, *, training: bool | None = Non
 
 
 async def create_key(db: AsyncEngine, user: str, *, name: str | None = None,
-                     rate_limit_rpm: int | None = None) -> CreatedKey:
-    """Issue a key for `user`. Only its hash is stored: `secret` cannot be shown again."""
+                     rate_limit_rpm: int | None = None, max_concurrent: int | None = None,
+                     rate_limit_tpm: int | None = None) -> CreatedKey:
+    """Issue a key for `user`. Only its hash is stored: `secret` cannot be shown again.
+    Limits left None follow the proxy's defaults; 0 is unlimited (proxy/limits.py)."""
     check_rpm(rate_limit_rpm)
+    check_limit("max_concurrent", max_concurrent)
+    check_limit("rate_limit_tpm", rate_limit_tpm)
     new = generate_key()
     async with db.begin() as conn:
         user_id = (await conn.execute(select(User.id).where(User.name == user))).scalar()
@@ -184,7 +224,8 @@ async def create_key(db: AsyncEngine, user: str, *, name: str | None = None,
             raise NotFound(f"No user named {user!r}.", code="user_not_found")
         key_id = (await conn.execute(insert(ApiKey).values(
             user_id=user_id, prefix=new.prefix, secret_hash=new.hash, name=name,
-            rate_limit_rpm=rate_limit_rpm).returning(ApiKey.id))).scalar_one()
+            rate_limit_rpm=rate_limit_rpm, max_concurrent=max_concurrent,
+            rate_limit_tpm=rate_limit_tpm).returning(ApiKey.id))).scalar_one()
         row = (await conn.execute(select(*_KEY_COLUMNS).join(User, User.id == ApiKey.user_id)
                                   .where(ApiKey.id == key_id))).one()
     return CreatedKey(info=_key(row), secret=new.secret)
@@ -224,11 +265,21 @@ class _AdminRoute(APIRoute):
 
         async def guarded(request: Request) -> Response:
             try:
+                # Postgres text cannot hold U+0000: such a name or prefix matches nothing.
+                if any("\x00" in v for v in (*request.path_params.values(),
+                                             *request.query_params.values())):
+                    raise BadRequest("A path or query parameter contains a NUL character.",
+                                     code="invalid_parameter")
                 return await handler(request)
             except RequestValidationError as exc:
                 err: ClawrlError = BadRequest(_validation_message(exc), code="invalid_body")
             except ClawrlError as exc:
                 err = exc
+            except (OSError, OperationalError, InterfaceError) as exc:
+                log.warning("admin request failed, database unreachable: %s",
+                            type(exc).__name__, extra={"action": "admin_db_unavailable"})
+                err = Unavailable("The database is unreachable; try again later.",
+                                  code="database_unavailable")
             return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
         return guarded
@@ -276,6 +327,8 @@ class KeyCreate(BaseModel):
     user: str
     name: str | None = None
     rate_limit_rpm: int | None = None
+    max_concurrent: int | None = None
+    rate_limit_tpm: int | None = None
 
 
 Admin = Annotated[AsyncEngine, Depends(require_admin)]
@@ -302,7 +355,8 @@ async def http_update_user(name: str, body: UserUpdate, db: Admin,
 
 @admin_router.delete("/users/{name}")
 async def http_delete_user(name: str, db: Admin, request: Request) -> dict[str, Any]:
-    counts = await delete_user(db, name)
+    writer = getattr(request.app.state, "writer", None)
+    counts = await delete_user(db, name, writer.journal if writer is not None else None)
     _invalidate(request)
     return {"name": name, "deleted": True, **counts}
 
@@ -314,7 +368,9 @@ async def http_list_keys(db: Admin, user: str | None = None) -> dict[str, Any]:
 
 @admin_router.post("/keys", status_code=201)
 async def http_create_key(body: KeyCreate, db: Admin) -> dict[str, Any]:
-    key = await create_key(db, body.user, name=body.name, rate_limit_rpm=body.rate_limit_rpm)
+    key = await create_key(db, body.user, name=body.name, rate_limit_rpm=body.rate_limit_rpm,
+                           max_concurrent=body.max_concurrent,
+                           rate_limit_tpm=body.rate_limit_tpm)
     return {**asdict(key.info), "key": key.secret}
 
 
@@ -344,13 +400,23 @@ def _print_users(users: Sequence[UserInfo]) -> None:
 
 
 def _print_keys(keys: Sequence[KeyInfo]) -> None:
-    print_table(["id", "prefix", "user", "name", "rate_limit_rpm", "created_at", "revoked_at",
-                 "last_used_at"], [tuple(asdict(k).values()) for k in keys])
+    print_table(["id", "prefix", "user", "name", "rate_limit_rpm", "max_concurrent",
+                 "rate_limit_tpm", "created_at", "revoked_at", "last_used_at"],
+                [tuple(asdict(k).values()) for k in keys])
 
 
 def _print_new_key(key: CreatedKey) -> None:
     print(f"API key for {key.info.user} (prefix {key.info.prefix}); shown once, store it now:")
     print(key.secret)
+
+
+def _limit_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--concurrent", type=int, metavar="N",
+                   help="requests of the key in flight at once (0 = unlimited; default: the "
+                        "proxy's, CLAWRL_PROXY__MAX_CONCURRENT)")
+    p.add_argument("--tpm", type=int, metavar="N",
+                   help="prompt + completion tokens per minute (0 = unlimited; default: the "
+                        "proxy's, CLAWRL_PROXY__RATE_LIMIT_TPM)")
 
 
 def users_main(argv: list[str]) -> int:
@@ -359,6 +425,7 @@ def users_main(argv: list[str]) -> int:
     c = sub.add_parser("create", help="create a user and a first API key")
     c.add_argument("name")
     c.add_argument("--rpm", type=int, help="rate limit of the first key (requests/minute)")
+    _limit_flags(c)
     c.add_argument("--no-key", action="store_true", help="do not create a first key")
     sub.add_parser("list", help="list users")
     d = sub.add_parser("delete", help="delete a user with all their turns and samples")
@@ -375,14 +442,19 @@ def users_main(argv: list[str]) -> int:
     async def op(db: AsyncEngine) -> int:
         if args.cmd == "create":
             check_rpm(args.rpm)
+            check_limit("max_concurrent", args.concurrent)
+            check_limit("rate_limit_tpm", args.tpm)
             user = await create_user(db, args.name)
             print(f"created user {user.name} (id {user.id})")
             if not args.no_key:
-                _print_new_key(await create_key(db, user.name, rate_limit_rpm=args.rpm))
+                _print_new_key(await create_key(db, user.name, rate_limit_rpm=args.rpm,
+                                                max_concurrent=args.concurrent,
+                                                rate_limit_tpm=args.tpm))
         elif args.cmd == "list":
             _print_users(await list_users(db))
         elif args.cmd == "delete":
-            counts = await delete_user(db, args.name)
+            where = load_settings().journal_file()
+            counts = await delete_user(db, args.name, Journal(where) if where.is_dir() else None)
             print(f"deleted user {args.name}: " + ", ".join(f"{v} {k}" for k, v in counts.items()))
         else:
             flag = args.cmd == "opt-out"
@@ -401,6 +473,7 @@ def keys_main(argv: list[str]) -> int:
     c.add_argument("--user", required=True)
     c.add_argument("--name", help="a label, e.g. the app using it")
     c.add_argument("--rpm", type=int, help="requests per minute (0 = unlimited)")
+    _limit_flags(c)
     ls = sub.add_parser("list", help="list keys (never their secrets)")
     ls.add_argument("--user")
     r = sub.add_parser("revoke", help="revoke a key by prefix or full key")
@@ -410,7 +483,9 @@ def keys_main(argv: list[str]) -> int:
     async def op(db: AsyncEngine) -> int:
         if args.cmd == "create":
             _print_new_key(await create_key(db, args.user, name=args.name,
-                                            rate_limit_rpm=args.rpm))
+                                            rate_limit_rpm=args.rpm,
+                                            max_concurrent=args.concurrent,
+                                            rate_limit_tpm=args.tpm))
         elif args.cmd == "list":
             _print_keys(await list_keys(db, args.user))
         else:
@@ -424,7 +499,8 @@ def keys_main(argv: list[str]) -> int:
 def sql_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(
         prog="clawrl sql", description="Run one read-only SQL statement and print a table.",
-        epilog="Views: turns_with_rewards, reward_by_version, activity_by_user, session_turns.")
+        epilog="Views: turns_with_rewards, reward_by_version, activity_by_user, session_turns, "
+               "session_outcomes.")
     p.add_argument("query")
     p.add_argument("--timeout", type=float, default=60.0, help="statement timeout, seconds")
     p.add_argument("--max-width", type=int, default=80, help="cut cells wider than this (0: no)")

@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import httpx
+import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
@@ -31,13 +32,14 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Route
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from proxy.auth import Authenticator
-from proxy.chat import ChatEndpoint
+from proxy.chat import ChatEndpoint, ClientGone, read_body, send_json
 from proxy.db import create_async
-from proxy.errors import ClawrlError, NotFound
+from proxy.errors import ClawrlError, NotFound, PayloadTooLarge
 from proxy.journal import Journal
+from proxy.logs import setup_logging
 from proxy.metrics import MetricsMiddleware, ProxyMetrics
 from proxy.routes import router
 from proxy.sessions import close_stale_turns
@@ -50,14 +52,18 @@ log = logging.getLogger("clawrl.proxy")
 WEIGHT_VERSION_POLL_S = 5.0
 
 
-async def _every(seconds: float, action: Callable[[], Awaitable[Any]], name: str) -> None:
-    """Run `action` periodically until cancelled; a failure is logged, never fatal."""
-    while True:
+async def _every(seconds: float, action: Callable[[], Awaitable[Any]], name: str, *,
+                 now: bool = False) -> None:
+    """Run `action` periodically (first at once when `now`) until cancelled; a failure is
+    logged, never fatal."""
+    if not now:
         await asyncio.sleep(seconds)
+    while True:
         try:
             await action()
-        except (SQLAlchemyError, OSError, httpx.HTTPError, ClawrlError) as exc:
+        except (SQLAlchemyError, OSError, httpx.HTTPError, ClawrlError, ValueError) as exc:
             log.debug("%s failed: %s", name, exc, extra={"action": name})
+        await asyncio.sleep(seconds)
 
 
 def _error_response(exc: ClawrlError) -> JSONResponse:
@@ -92,11 +98,34 @@ class ProxyApp(FastAPI):
     fast_chat: ASGIApp | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (self.fast_chat is not None and scope["type"] == "http"
-                and scope["path"] == CHAT_PATH and scope["method"] == "POST"):
-            await self.fast_chat(scope, receive, send)
+        if scope["type"] != "http":
+            await super().__call__(scope, receive, send)
             return
-        await super().__call__(scope, receive, send)
+        if self.fast_chat is not None and scope["path"] == CHAT_PATH \
+                and scope["method"] == "POST":
+            await self.fast_chat(scope, receive, send)  # enforces the body limit itself
+            return
+        # Every other route: the whole body, within the limit, before any parsing or auth.
+        limit = self.state.settings.proxy.max_body_bytes
+        declared = next((v.decode("latin-1") for k, v in scope["headers"]
+                         if k == b"content-length"), None)
+        try:
+            body = await read_body(receive, declared, limit)
+        except PayloadTooLarge as exc:
+            await send_json(send, exc.status, orjson.dumps(exc.body()))
+            return
+        except ClientGone:
+            return
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await super().__call__(scope, replay, send)
 
 
 def create_app(settings: Settings, *, db_url: str | None = None,
@@ -108,7 +137,9 @@ def create_app(settings: Settings, *, db_url: str | None = None,
             raise ValueError("create_app needs a database URL (settings.database.url)")
         db_url = settings.database.url.get_secret_value()
     cfg = settings.proxy
-    journal = Journal(settings.journal_file())
+    # A journal left by an older proxy (one JSONL file) is adopted as its oldest segment.
+    legacy = settings.state_dir / "journal.jsonl" if cfg.journal_path is None else None
+    journal = Journal(settings.journal_file(), legacy=legacy)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -117,7 +148,8 @@ def create_app(settings: Settings, *, db_url: str | None = None,
         client = create_client(settings.engine, engine_transport)
         # An injected transport (tests' fault injection) serves chat requests too.
         pool = create_pool(settings.engine) if engine_transport is None else None
-        writer = TurnWriter(db, journal, include_system=cfg.fingerprint_system)
+        writer = TurnWriter(db, journal, include_system=cfg.fingerprint_system,
+                            backlog_max=cfg.turn_backlog_max, metrics=app.state.metrics)
         app.state.db, app.state.writer = db, writer
         app.state.upstream = Upstream(client, pool)
         app.state.authenticator = Authenticator(db, cfg)
@@ -130,7 +162,7 @@ def create_app(settings: Settings, *, db_url: str | None = None,
         tasks = [asyncio.create_task(_every(min(60.0, cfg.session_timeout_s / 4), sweep,
                                             "close_stale_turns")),
                  asyncio.create_task(_every(WEIGHT_VERSION_POLL_S, app.state.upstream.model_info,
-                                            "poll_weight_version"))]
+                                            "poll_weight_version", now=True))]
         try:
             yield
         finally:
@@ -149,7 +181,8 @@ def create_app(settings: Settings, *, db_url: str | None = None,
     # Read through the app state, so the gauges follow the writer of the running lifespan.
     app.state.metrics = ProxyMetrics(
         backlog=lambda: float(app.state.writer.backlog) if hasattr(app.state, "writer") else 0,
-        journal=lambda: float(journal.pending))
+        journal=lambda: float(journal.pending),
+        writer_up=lambda: float(app.state.writer.alive) if hasattr(app.state, "writer") else 0)
     app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
     app.add_exception_handler(ClawrlError, _on_clawrl_error)
     app.add_exception_handler(StarletteHTTPException, _on_http_error)
@@ -165,6 +198,9 @@ def create_app(settings: Settings, *, db_url: str | None = None,
         admin = None
     if admin is not None and hasattr(admin, "admin_router"):
         app.include_router(admin.admin_router)
+    from proxy.web.routes import console_router  # the admin console (/console)
+
+    app.include_router(console_router)
     return app
 
 
@@ -209,15 +245,24 @@ def main(argv: list[str]) -> int:
     except (ArgumentError, ValueError, OSError) as exc:
         print(f"clawrl proxy: bad database URL: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    from proxy.engine_check import PROXY_NEEDS, check_at_start
+    from proxy.engine_client import EngineClient
+
+    problem = check_at_start(EngineClient.from_settings(settings.engine), PROXY_NEEDS)
+    if problem:  # e.g. an SGLang that returns no token ids: nothing it serves could train
+        print(f"clawrl proxy: {problem}", file=sys.stderr)
+        return 1
+    setup_logging(args.log_level)
     app = create_app(settings, db_url=url)
     import uvicorn
 
+    from proxy.drain import DrainingHttpTools
+
     # On SIGTERM in-flight requests get this long to finish before the lifespan stores the
-    # remaining turns and exits.
+    # remaining turns and exits; a keep-alive client's next request is not cut (proxy/drain.py).
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
-                access_log=args.access_log, timeout_graceful_shutdown=30)
+                access_log=args.access_log, timeout_graceful_shutdown=30,
+                http=DrainingHttpTools)
     return 0
 
 

@@ -7,7 +7,7 @@ constant-time (`hmac.compare_digest`).
 
 The serving path uses `Authenticator.authenticate(headers)`: a short-lived in-process
 cache of principals (so most requests cost no database round trip) and a per-key
-`RateLimiter`.
+`RateLimiter`; `Authenticator.limits` holds the per-key fair-share limits (proxy/limits.py).
 """
 
 from __future__ import annotations
@@ -23,10 +23,12 @@ from dataclasses import dataclass
 
 from sqlalchemy import func, select, update
 from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from proxy.db import ApiKey, User
+from proxy.db import ApiKey, User, UserAdapter
 from proxy.errors import RateLimited, Unauthorized, Unavailable
+from proxy.limits import KeyLimits
 from proxy.settings import ProxySettings
 
 KEY_PREFIX = "ck"
@@ -42,6 +44,13 @@ class Principal:
     rate_limit_rpm: int | None
     train_opt_out: bool
     log_opt_out: bool
+    # Fair share (proxy/limits.py); None: the proxy's default, 0: unlimited.
+    max_concurrent: int | None = None
+    rate_limit_tpm: int | None = None
+    # The user's LoRA adapter while one is loaded in the engine (`user_adapters`), else None:
+    # requests are sent with `lora_path: adapter` (docs/proxy.md, "Personal adapters").
+    adapter: str | None = None
+    adapter_version: int | None = None
 
 
 @dataclass(frozen=True)
@@ -88,8 +97,11 @@ async def lookup_principal(db: AsyncEngine, full_key: str) -> Principal:
     async with db.connect() as conn:
         row = (await conn.execute(
             select(ApiKey.id, ApiKey.secret_hash, ApiKey.revoked_at, ApiKey.rate_limit_rpm,
-                   User.id, User.name, User.train_opt_out, User.log_opt_out)
+                   User.id, User.name, User.train_opt_out, User.log_opt_out,
+                   ApiKey.max_concurrent, ApiKey.rate_limit_tpm,
+                   UserAdapter.name, UserAdapter.version)
             .join(User, User.id == ApiKey.user_id)
+            .outerjoin(UserAdapter, (UserAdapter.user_id == User.id) & UserAdapter.loaded)
             .where(ApiKey.prefix == prefix)
         )).first()
     # Compare even when the prefix is unknown, so timing does not reveal which prefixes exist.
@@ -99,15 +111,21 @@ async def lookup_principal(db: AsyncEngine, full_key: str) -> Principal:
     if row[2] is not None:
         raise Unauthorized("This API key has been revoked.", code="revoked_api_key")
     return Principal(user_id=row[4], user_name=row[5], key_id=row[0], rate_limit_rpm=row[3],
-                     train_opt_out=row[6], log_opt_out=row[7])
+                     train_opt_out=row[6], log_opt_out=row[7], max_concurrent=row[8],
+                     rate_limit_tpm=row[9], adapter=row[10], adapter_version=row[11])
 
 
 # --- Serving-path authentication: cached lookups and per-key rate limits -----------------
 
 # Revocation or an opt-out made by another process (the CLI) takes effect within this long.
 CACHE_TTL_S = 2.0
-# While Postgres is unreachable, a key seen recently keeps working for this long.
-STALE_IF_ERROR_S = 3600.0
+# While Postgres is unreachable (or too slow), a key verified this recently keeps working.
+STALE_IF_ERROR_S = 60.0
+# An unknown or revoked key is answered 401 from memory for this long (a made-up key costs
+# one query per NEGATIVE_TTL_S, not one per request); a key just created works after it.
+NEGATIVE_TTL_S = 2.0
+# A key lookup slower than this counts as "database unreachable".
+LOOKUP_TIMEOUT_S = 3.0
 _CACHE_MAX = 100_000
 # `api_keys.last_used_at` is written at most this often per key (it is informative only).
 _TOUCH_EVERY_S = 60.0
@@ -118,6 +136,9 @@ class _Cached:
     principal: Principal
     fresh_until: float
     stale_until: float
+
+
+_DB_DOWN = (OSError, DBAPIError, PoolTimeout, TimeoutError)
 
 
 class RateLimiter:
@@ -168,13 +189,18 @@ class Authenticator:
         self._ttl_s = ttl_s
         self._clock = clock
         self._cache: dict[str, _Cached] = {}
+        self._refused: dict[str, tuple[float, Unauthorized]] = {}  # digest -> (until, error)
         self._lookups: dict[str, asyncio.Future[Principal]] = {}
         self._generation = 0  # bumped by invalidate(): lookups begun before it are not cached
         self._touched: dict[int, float] = {}
         self.limiter = RateLimiter(settings.rate_limit_rpm, clock=clock)
+        # Requests in flight and tokens per minute, checked by the chat endpoint once it
+        # knows the request's size (proxy/limits.py).
+        self.limits = KeyLimits(settings.max_concurrent, settings.rate_limit_tpm, clock=clock)
 
     def invalidate(self) -> None:
         self._cache.clear()
+        self._refused.clear()
         self._lookups.clear()
         self._generation += 1
 
@@ -187,6 +213,11 @@ class Authenticator:
         still takes effect within the TTL).
         """
         digest = hash_secret(full_key)
+        refused = self._refused.get(digest)
+        if refused is not None:
+            if self._clock() < refused[0]:
+                raise refused[1]
+            del self._refused[digest]
         hit = self._cache.get(digest)
         if hit is not None:
             now = self._clock()
@@ -214,11 +245,16 @@ class Authenticator:
     async def _refresh(self, digest: str, full_key: str, hit: _Cached | None) -> Principal:
         now, generation = self._clock(), self._generation
         try:
-            found = await lookup_principal(self._db, full_key)
-        except Unauthorized:
+            found = await asyncio.wait_for(lookup_principal(self._db, full_key),
+                                           LOOKUP_TIMEOUT_S)
+        except Unauthorized as exc:
             self._cache.pop(digest, None)
+            if generation == self._generation:
+                if len(self._refused) >= _CACHE_MAX:
+                    self._refused.clear()
+                self._refused[digest] = (now + NEGATIVE_TTL_S, exc)
             raise
-        except (OSError, DBAPIError) as exc:
+        except _DB_DOWN as exc:
             if hit is not None and now < hit.stale_until:
                 return hit.principal
             raise Unavailable("Cannot verify the API key: the database is unreachable.",
@@ -246,8 +282,8 @@ class Authenticator:
             return
         self._touched[key_id] = now
         try:
-            async with self._db.begin() as conn:
+            async with asyncio.timeout(LOOKUP_TIMEOUT_S), self._db.begin() as conn:
                 await conn.execute(update(ApiKey).where(ApiKey.id == key_id)
                                    .values(last_used_at=func.now()))
-        except (OSError, DBAPIError):
+        except _DB_DOWN:
             pass  # informative column only; never fail a request over it

@@ -1,6 +1,7 @@
 """`clawrl bench proxy`: what the proxy adds over calling the engine directly.
 
-    clawrl bench proxy [--clients 1,32,256] [--single 300] [--per-client 4] [--json FILE]
+    clawrl bench proxy [--clients 1,32,256] [--single 300] [--per-client 4]
+                       [--durability group|sync] [--json FILE]
 
 Starts a stand-in engine (proxy/bench_upstream.py) and the real proxy (`clawrl proxy`,
 its own uvicorn process, logging every turn to a real Postgres: a scratch database on
@@ -24,7 +25,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -45,6 +45,7 @@ from sqlalchemy.engine import make_url
 
 from proxy import admin
 from proxy.bench_client import Connection
+from proxy.bench_procs import free_port, wait_ready
 from proxy.db import create_async, libpq_url
 from proxy.dbcli import start_embedded, stop_embedded, upgrade
 
@@ -92,12 +93,6 @@ def run_loop(coro: Coroutine[Any, Any, T]) -> T:
     except ImportError:
         return asyncio.run(coro)
     return uvloop.run(coro)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
 
 
 def pct(values: list[float], q: float) -> float:
@@ -217,20 +212,6 @@ def count_turns(db_url: str) -> int:
     return int(row[0]) if row else 0
 
 
-def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{url}: the process exited with code {proc.returncode}")
-        try:
-            if httpx.get(url, timeout=2.0).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"{url} not ready after {timeout_s:.0f} s")
-
-
 def summarize(clients: int, mode: str, samples: list[Sample], cpu_s: float,
               engine_cpu_s: float) -> Row:
     by = {p: [s for s in samples if s.path == p and s.ok] for p in ("direct", "proxy")}
@@ -274,7 +255,8 @@ def bench(args: argparse.Namespace, state_dir: Path) -> dict[str, Any]:
         up_port, proxy_port = free_port(), free_port()
         env = {**os.environ, "CLAWRL_DATABASE__URL": db_url, "CLAWRL_STATE_DIR": str(state_dir),
                "CLAWRL_ENGINE__URL": f"http://{HOST}:{up_port}",
-               "CLAWRL_PROXY__RATE_LIMIT_RPM": "0"}
+               "CLAWRL_PROXY__RATE_LIMIT_RPM": "0",
+               "CLAWRL_PROXY__DURABILITY": args.durability}
         log = (state_dir / "bench.log").open("ab")
         procs = [subprocess.Popen([sys.executable, "-m", "proxy.bench_upstream", "--port",
                                    str(up_port)], env=env, stdout=log, stderr=log),
@@ -360,8 +342,8 @@ def measure(args: argparse.Namespace, db_url: str, key: str, up_port: int, proxy
         profiler.wait(30)
     print_rows(rows)
     lost = 0 if args.no_logging else max(0, served - rows_in_db)
-    print(f"proxy peak RSS {peak / 2**20:.0f} MB; responses served {served}, rows in Postgres "
-          f"{rows_in_db}, turns lost {lost}")
+    print(f"durability {args.durability}; proxy peak RSS {peak / 2**20:.0f} MB; responses "
+          f"served {served}, rows in Postgres {rows_in_db}, turns lost {lost}")
     load = os.getloadavg()
     print(f"machine: {os.cpu_count()} CPUs, load average {load[0]:.1f} / {load[1]:.1f} / "
           f"{load[2]:.1f} (1/5/15 min) at the end; bench processes at nice {-args.priority}")
@@ -386,6 +368,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--priority", type=int, default=0, metavar="N",
                    help="run the bench, stand-in and proxy at nice -N (root): on a shared "
                         "machine, measures the software rather than the neighbours")
+    p.add_argument("--durability", choices=("group", "sync"), default="group",
+                   help="the proxy's durability (sync: a reply's last byte waits for its "
+                        "turn's commit or journal fsync); run both to see what sync costs")
     p.add_argument("--json", type=Path, help="also write the figures here")
     p.add_argument("--profile", type=Path,
                    help="record the proxy with py-spy into this file (collapsed stacks)")

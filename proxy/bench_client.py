@@ -19,6 +19,7 @@ class Reply:
     status: int
     body: bytes  # the whole body, or its last `keep` bytes when streaming
     first_chunk_at: float | None  # perf_counter() when the first body bytes arrived
+    turn_id: str | None = None  # the proxy's X-Clawrl-Turn-Id header
 
 
 class Connection:
@@ -61,7 +62,7 @@ class Connection:
         if not status_line:
             raise ConnectionError("the server closed the connection")
         status = int(status_line.split()[1])
-        length, chunked, close = None, False, False
+        length, chunked, close, turn_id = None, False, False, None
         while (line := await reader.readline()) not in (b"\r\n", b""):
             name, _, value = line.decode("latin-1").partition(":")
             name, value = name.strip().lower(), value.strip().lower()
@@ -71,6 +72,8 @@ class Connection:
                 chunked = "chunked" in value
             elif name == "connection":
                 close = value == "close"
+            elif name == "x-clawrl-turn-id":
+                turn_id = value
         first: float | None = None
         data = b""
         if chunked:
@@ -89,4 +92,4 @@ class Connection:
             first = time.perf_counter()
         if close:
             await self.close()
-        return Reply(status, data, first)
+        return Reply(status, data, first, turn_id)

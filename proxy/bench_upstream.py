@@ -2,13 +2,18 @@
 
     python -m proxy.bench_upstream --port 30999
 
-Answers `/v1/chat/completions` like SGLang does for the proxy (SGLANG.md §1.2): token ids
+Answers `/v1/chat/completions` like SGLang does for the proxy (docs/engine-protocol.md §1.2): token ids
 (`prompt_token_ids`/`response_token_ids`, or the final `sglext` chunk when streaming),
 `logprobs.content`, `metadata.weight_version`, usage. `/model_info` and `/health` answer
 too. How long a reply takes is set at run time with `POST /bench/config
-{"tokens": 200, "reply_s": 2.0}`: the tokens are spread evenly over `reply_s` (streamed as
-one chunk each), and `reply_s = 0` answers at once. Benchmarks only; never for tests of
-the proxy's behaviour (those use the real embedded engine).
+{"tokens": 200, "reply_s": 2.0, "slots": 8}`: the tokens are spread evenly over `reply_s`
+(streamed as one chunk each), and `reply_s = 0` answers at once; `slots` > 0 serves at most
+that many requests at a time, the others wait in arrival order (an engine's batch slots;
+0: no limit). `{"tool_command": "ls"}` makes it an agent (`clawrl bench env`, the env
+pool's tests): a non-streamed request with tools whose last message is not a tool result is
+answered with one call `run({"command": "ls"})`, one after a tool result with text (`""`:
+off). For benchmarks and for tests that need an engine taking a fixed time per request (fair
+share, faults); tests of what the proxy answers use the real embedded engine.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import asyncio
 import json
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator
 from typing import Any
 
 from starlette.applications import Starlette
@@ -26,9 +31,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-CONFIG: dict[str, float] = {"tokens": 16, "reply_s": 0.0}
+CONFIG: dict[str, float] = {"tokens": 16, "reply_s": 0.0, "slots": 0}
+_SLOTS: list[asyncio.Semaphore | None] = [None]  # set by /bench/config
 PROMPT_IDS = list(range(1, 33))
 WEIGHT_VERSION = "0"
+TOOL_COMMAND = [""]  # set by /bench/config {"tool_command": ...}
 
 
 def _logprob(token: int) -> dict[str, Any]:
@@ -37,17 +44,51 @@ def _logprob(token: int) -> dict[str, Any]:
 
 async def chat(request: Request) -> Response:
     body = await request.json()
+    slots = _SLOTS[0]
+    if slots is None:
+        return await _chat(body)
+    await slots.acquire()  # waiters are woken in arrival order
+    try:
+        response = await _chat(body)
+    except BaseException:
+        slots.release()
+        raise
+    if not isinstance(response, StreamingResponse):
+        slots.release()
+        return response
+    response.body_iterator = _releasing(response.body_iterator, slots)
+    return response
+
+
+async def _releasing(chunks: AsyncIterable[Any], slots: asyncio.Semaphore
+                     ) -> AsyncIterator[Any]:
+    """A stream that holds its slot until it ends (or the client leaves)."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+    finally:
+        slots.release()
+
+
+async def _chat(body: dict[str, Any]) -> Response:
     tokens = int(CONFIG["tokens"])
     response_ids = [100 + i % 50 for i in range(tokens)]
     created = int(time.time())
     if not body.get("stream"):
         if CONFIG["reply_s"] > 0:
             await asyncio.sleep(CONFIG["reply_s"])
+        message: dict[str, Any] = {"role": "assistant", "content": "x" * tokens}
+        messages = body.get("messages") or [{}]
+        if TOOL_COMMAND[0] and body.get("tools") and messages[-1].get("role") != "tool":
+            message = {"role": "assistant", "content": None, "tool_calls": [{
+                "id": f"call-{created}", "type": "function", "function": {
+                    "name": "run", "arguments": json.dumps({"command": TOOL_COMMAND[0]})}}]}
         return JSONResponse({
             "id": "chatcmpl-bench", "object": "chat.completion", "created": created,
             "model": body.get("model", "bench"),
-            "choices": [{"index": 0, "finish_reason": "stop",
-                         "message": {"role": "assistant", "content": "x" * tokens},
+            "choices": [{"index": 0,
+                         "finish_reason": "tool_calls" if "tool_calls" in message else "stop",
+                         "message": message,
                          "logprobs": {"content": [_logprob(t) for t in response_ids]},
                          "prompt_token_ids": PROMPT_IDS, "response_token_ids": response_ids}],
             "usage": {"prompt_tokens": len(PROMPT_IDS), "completion_tokens": tokens,
@@ -85,7 +126,10 @@ async def _stream(body: dict[str, Any], response_ids: list[int], created: int,
 
 
 async def configure(request: Request) -> Response:
-    CONFIG.update({k: float(v) for k, v in (await request.json()).items() if k in CONFIG})
+    body = await request.json()
+    CONFIG.update({k: float(v) for k, v in body.items() if k in CONFIG})
+    TOOL_COMMAND[0] = str(body.get("tool_command", TOOL_COMMAND[0]))
+    _SLOTS[0] = asyncio.Semaphore(int(CONFIG["slots"])) if CONFIG["slots"] > 0 else None
     return JSONResponse(CONFIG)
 
 

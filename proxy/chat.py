@@ -17,10 +17,11 @@ request, so the engine stops generating) and its turn is stored as 'client_disco
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import anyio
@@ -28,20 +29,21 @@ import orjson
 from starlette.datastructures import State
 from starlette.types import Message, Receive, Scope, Send
 
+from proxy.auth import Principal
 from proxy.errors import BadRequest, ClawrlError, PayloadTooLarge, UpstreamError, UpstreamTimeout
-from proxy.openai_types import parse_chat_request
+from proxy.limits import Lease, estimate_tokens, used_tokens
+from proxy.openai_types import ChatCompletionRequest, parse_chat_request, parse_outcome_header
 from proxy.records import TurnRecord
-from proxy.sessions import explicit_session_id
-from proxy.sse import StreamCollector, relay
-from proxy.upstream import client_view, engine_body, parse_reply
+from proxy.sessions import MAX_SESSION_ID, explicit_session_id
+from proxy.sse import DONE, StreamCollector, relay
+from proxy.upstream import adapter_missing, client_view, engine_body, parse_reply
 
 log = logging.getLogger("clawrl.proxy")
 T = TypeVar("T")
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
-_MAX_SESSION_ID = 256
 _WANTED = frozenset({b"authorization", b"content-length", b"x-turn-type", b"x-session-id",
-                     b"x-session-done"})
+                     b"x-session-done", b"x-session-outcome"})
 _JSON = b"application/json"
 _SSE = b"text/event-stream; charset=utf-8"
 
@@ -152,20 +154,41 @@ class ChatEndpoint:
         for name, value in scope["headers"]:
             if name in _WANTED and name not in headers:
                 headers[name] = value.decode("latin-1")
+        # The size limit first (before auth or parsing), then the key, then the body.
+        raw = await read_body(receive, headers.get(b"content-length"), settings.max_body_bytes)
         auth = headers.get(b"authorization")
         principal = await state.authenticator.authenticate(
             {"authorization": auth} if auth is not None else {})
-        raw = await read_body(receive, headers.get(b"content-length"), settings.max_body_bytes)
         body, chat = parse_chat_request(raw)
+        context = settings.max_context_tokens or state.upstream.context_length
+        if context and chat.requested_tokens and chat.requested_tokens > context:
+            field = "max_completion_tokens" if chat.max_completion_tokens else "max_tokens"
+            raise BadRequest(f"Invalid value for '{field}': {chat.requested_tokens} exceeds the "
+                             f"model's context length of {context} tokens.", param=field)
         kind = (headers.get(b"x-turn-type") or "main").strip().lower() or "main"
         if kind not in ("main", "side"):
             raise BadRequest("The X-Turn-Type header must be 'main' or 'side'.")
         session_ext = (headers.get(b"x-session-id") or "").strip() or None
-        if session_ext is not None and len(session_ext) > _MAX_SESSION_ID:
-            raise BadRequest(f"The X-Session-Id header is longer than {_MAX_SESSION_ID} chars.")
+        if session_ext is not None and len(session_ext) > MAX_SESSION_ID:
+            raise BadRequest(f"The X-Session-Id header is longer than {MAX_SESSION_ID} chars.")
+        outcome = parse_outcome_header(headers.get(b"x-session-outcome"))
         if not body.get("model"):
             body["model"] = settings.served_model_name or "default"
+        # Fair share last, once the request is known to be valid: a slot among the key's
+        # requests in flight and its estimated tokens (corrected when the reply ends).
+        prompt_bytes = len(raw) if not context else min(len(raw), 4 * context)
+        lease = state.authenticator.limits.admit(
+            principal, estimate_tokens(prompt_bytes, chat.requested_tokens))
+        try:
+            await self._serve(state, receive, send, began, principal, body, chat, headers,
+                              kind, session_ext, outcome, lease)
+        finally:
+            lease.release()
 
+    async def _serve(self, state: State, receive: Receive, send: Send, began: float,
+                     principal: Principal, body: dict[str, Any], chat: ChatCompletionRequest,
+                     headers: dict[bytes, str], kind: str, session_ext: str | None,
+                     outcome: float | None, lease: Lease) -> None:
         uid = str(uuid.uuid4())
         # Users opted out of logging get no turn id: there is no stored turn to refer to.
         out: dict[str, str] = {} if principal.log_opt_out else {"X-Clawrl-Turn-Id": uid}
@@ -178,7 +201,9 @@ class ChatEndpoint:
             params={k: v for k, v in body.items() if k not in ("messages", "tools")},
             kind=kind, session_external_id=session_ext,
             session_done=(headers.get(b"x-session-done") or "").strip().lower() in _TRUE,
-            train_opt_out=principal.train_opt_out)
+            session_outcome=outcome,
+            train_opt_out=principal.train_opt_out,
+            adapter=principal.adapter, adapter_version=principal.adapter_version)
         wants_logprobs = bool(chat.logprobs)
 
         def log_turn(status: str, error: str | None = None) -> None:
@@ -190,13 +215,34 @@ class ChatEndpoint:
             state.metrics.turns.labels(status).inc()
 
         upstream = state.upstream
+        # durability = "sync": the reply's final byte waits until the turn is committed
+        # or journaled (fsynced), so a reply read in full is never lost (proxy/store.py).
+        durable: Callable[[], Awaitable[None]] | None = None
+        if record is not None and state.settings.proxy.durability == "sync":
+            durable = functools.partial(state.writer.durable, record.uid)
         try:
-            if chat.stream:
-                stream = await until_disconnect(
-                    receive, upstream.open_chat_stream(engine_body(body, stream=True)))
-            else:
-                data = await until_disconnect(
-                    receive, upstream.chat(engine_body(body, stream=False)))
+            try:
+                if chat.stream:
+                    stream = await until_disconnect(receive, upstream.open_chat_stream(
+                        engine_body(body, stream=True, adapter=principal.adapter)))
+                else:
+                    data = await until_disconnect(receive, upstream.chat(
+                        engine_body(body, stream=False, adapter=principal.adapter)))
+            except BadRequest as exc:
+                # The user's adapter is not in the engine (restarted, unloaded before the
+                # table caught up): serve the base model, as for a user without one.
+                if principal.adapter is None or not adapter_missing(exc, principal.adapter):
+                    raise
+                log.warning("adapter %s not loaded in the engine; serving the base model",
+                            principal.adapter, extra={"action": "adapter_fallback"})
+                if record is not None:
+                    record.adapter = record.adapter_version = None
+                if chat.stream:
+                    stream = await until_disconnect(
+                        receive, upstream.open_chat_stream(engine_body(body, stream=True)))
+                else:
+                    data = await until_disconnect(
+                        receive, upstream.chat(engine_body(body, stream=False)))
         except ClientGone:
             log_turn("client_disconnected", "The client left before the reply was ready.")
             raise
@@ -217,9 +263,12 @@ class ChatEndpoint:
                 record.weight_version = reply.weight_version or upstream.weight_version
             state.metrics.count_tokens(len(reply.prompt_ids or ()),
                                        len(reply.response_ids or ()))
+            lease.release(used_tokens(reply.prompt_ids, reply.response_ids, reply.usage))
             log_turn("ok")
-            await send_json(send, 200, orjson.dumps(client_view(
-                data, wants_logprobs=wants_logprobs)), out)
+            content = orjson.dumps(client_view(data, wants_logprobs=wants_logprobs))
+            if durable is not None:
+                await durable()
+            await send_json(send, 200, content, out)
             return
 
         finished = False
@@ -236,6 +285,8 @@ class ChatEndpoint:
                 record.weight_version = collector.weight_version or upstream.weight_version
             state.metrics.count_tokens(len(collector.prompt_ids or ()),
                                        len(collector.response_ids or ()))
+            lease.release(used_tokens(collector.prompt_ids, collector.response_ids,
+                                      collector.usage))
             log_turn(status, error)
 
         out.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -243,7 +294,7 @@ class ChatEndpoint:
                  "headers": _raw_headers(out, _SSE, None)}
         pieces = relay(stream, wants_logprobs=wants_logprobs, finish=finish)
         try:
-            await until_disconnect(receive, _forward(start, pieces, send))
+            await until_disconnect(receive, _forward(start, pieces, send, durable))
         except ClientGone:
             return  # the relay closed the engine request and logged the turn
         finally:
@@ -254,16 +305,22 @@ class ChatEndpoint:
         await send({"type": "http.response.body", "body": b""})
 
 
-async def _forward(start: Message, pieces: AsyncIterator[bytes], send: Send) -> None:
+async def _forward(start: Message, pieces: AsyncIterator[bytes], send: Send,
+                   durable: Callable[[], Awaitable[None]] | None = None) -> None:
     """Send the response start, then each relayed piece as it comes; the relay is always
     closed at the end (so a client that disconnects closes the engine request now, not at
-    garbage collection)."""
+    garbage collection). With `durable`, `[DONE]` waits: the relay is closed first (which
+    logs the turn), then `durable()` until the turn is stored."""
+    closer = getattr(pieces, "aclose", None)
     try:
         await send(start)
         async for piece in pieces:
+            if piece == DONE and durable is not None:
+                if closer is not None:
+                    await closer()
+                await durable()
             await send({"type": "http.response.body", "body": piece, "more_body": True})
     finally:
-        closer = getattr(pieces, "aclose", None)
         if closer is not None:
             with anyio.CancelScope(shield=True):
                 await closer()

@@ -3,36 +3,49 @@
 Each subcommand lives in its own module and is imported only when it runs, so
 `clawrl --help` answers instantly and the proxy never imports torch.
 Every subcommand function takes its argv list and returns an exit code.
+
+Admin commands (ADMIN_COMMANDS) work on the running `clawrl up` from any folder: unless
+`CLAWRL_DATABASE__URL` is set, its state file (proxy/statefile.py) supplies the database,
+state dir and engine; with none running they refuse in one line rather than create a database.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 # name -> (module, function, one-line help)
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "up": ("proxy.stack", "main", "start the whole stack on embedded defaults"),
     "proxy": ("proxy.app", "main", "run the OpenAI-compatible proxy"),
-    "engine": ("trainer.engine", "main", "serve a Hugging Face model with SGLang's HTTP API"),
+    "engine": ("trainer.engine.server", "main", "serve a Hugging Face model with SGLang's HTTP API"),
     "judge": ("judge.worker", "main", "run judge workers (and `judge rejudge`)"),
+    "models": ("trainer.pretrained", "main", "make model directories from pip (smollm2-135m)"),
     "train": ("trainer.train", "main", "run the trainer"),
     "versions": ("trainer.versions", "main", "list, roll back or prune weight versions"),
-    "tinyworld": ("trainer.tinyworld", "main", "build the tiny world model"),
-    "eval": ("trainer.evaluate", "main", "measure that the loop learns (simulated users)"),
+    "tinyworld": ("trainer.world.cli", "main", "build the tiny world model"),
+    "eval": ("trainer.eval.cli", "main", "measure that the loop learns (simulated users)"),
+    "env": ("trainer.envs.cli", "main", "run agent episodes through the proxy (terminal)"),
     "db": ("proxy.dbcli", "main", "database migrations"),
     "users": ("proxy.admin", "users_main", "create, list, opt out or delete users"),
     "keys": ("proxy.admin", "keys_main", "create, list or revoke API keys"),
     "sql": ("proxy.admin", "sql_main", "run a read-only SQL query on the log"),
-    "bench": ("proxy.cli", "bench_main", "benchmarks: proxy, judge, trainer, megatron"),
+    "bench": ("proxy.cli", "bench_main", "benchmarks: proxy, faults, judge, trainer, megatron, env"),
 }
+
+# Commands that administer an existing stack: pointed at the running `clawrl up`.
+ADMIN_COMMANDS = frozenset({"users", "keys", "sql", "versions", "db"})
 
 # `clawrl bench NAME` -> module:function(argv)
 BENCHES: dict[str, tuple[str, str]] = {
     "proxy": ("proxy.bench", "main"),
+    "faults": ("proxy.bench_faults", "main"),
     "judge": ("judge.bench", "main"),
     "trainer": ("trainer.bench", "main"),
     "megatron": ("trainer.backends.megatron_bench", "main"),
+    "console": ("proxy.web.bench", "main"),
+    "env": ("trainer.envs.bench", "main"),
 }
 
 
@@ -62,13 +75,28 @@ def main(argv: list[str] | None = None) -> int:
         print(f"clawrl: unknown command {name!r} (see `clawrl --help`)", file=sys.stderr)
         return 2
     module, func, _ = COMMANDS[name]
+    if name == "judge" and rest[:1] in (["build"], ["evaluate"], ["serve"]):
+        module, func = "trainer.judgemodel.cli", "main"  # the judge model (torch)
+    if name in ADMIN_COMMANDS:
+        from proxy.statefile import apply_to_env
+
+        apply_to_env(os.environ)
     try:
         fn = getattr(importlib.import_module(module), func)
     except ImportError as exc:
         print(f"clawrl {name}: cannot import {module} ({exc}); "
               "install the extras it needs, e.g. pip install 'clawrl[train]'", file=sys.stderr)
         return 1
-    code: int = fn(rest)
+    if name not in ADMIN_COMMANDS:
+        code: int = fn(rest)
+        return code
+    from proxy.dbcli import NoDatabase
+
+    try:
+        code = fn(rest)
+    except NoDatabase as exc:  # commands that do not answer it in one line themselves
+        print(f"clawrl {name}: {exc.message}", file=sys.stderr)
+        return 1
     return code
 
 

@@ -1,10 +1,14 @@
 """The terminal side of the admin commands: database resolution, one-line errors, tables,
 and the read-only SQL runner behind `clawrl sql`.
 
-`run_readonly_sql` is read-only three ways: the statement runs in a READ ONLY transaction
-that is always rolled back, as the `clawrl_readonly` role when it exists (migration 0002;
-so superuser-only functions are refused too), and through the extended query protocol,
-which refuses a second statement (so `COMMIT; DELETE …` cannot escape the transaction).
+`run_readonly_sql` holds by the database's own rights, not by anything said on the
+connection: it logs in as `clawrl_sql` (migration 0004), a separate login role that is no
+superuser nor a member of one and may only SELECT (no key hashes), so `RESET ROLE`,
+`SET ROLE`, `set_config('role', …)`, `COPY … TO PROGRAM`, `pg_read_file`, `lo_import` and
+writes are refused by the server whatever the statement does. It never falls back to the
+login user: when that role is missing, cannot log in or has grown rights, it refuses.
+On top: a READ ONLY transaction that is always rolled back, a statement timeout
+(0 < --timeout <= 600 s), and the extended query protocol, which refuses a second statement.
 """
 
 from __future__ import annotations
@@ -21,11 +25,15 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError
 
 from proxy.db import libpq_url
-from proxy.dbcli import resolve_url
+from proxy.dbcli import resolve_admin_url
 from proxy.errors import ClawrlError
 from proxy.settings import load_settings
 
-READONLY_ROLE = "clawrl_readonly"
+SQL_ROLE = "clawrl_sql"
+MAX_TIMEOUT_S = 600.0
+# Members of these may run programs or read server files (superusers may do anything).
+_DANGEROUS_ROLES = ("pg_execute_server_program", "pg_read_server_files",
+                    "pg_write_server_files")
 
 
 class SqlError(ClawrlError):
@@ -49,7 +57,7 @@ def run_cli(prog: str, op: Callable[[str], int]) -> int:
     """Resolve the database URL and run `op(url)`; any failure is one line on stderr, exit 1."""
     url = "<unresolved>"
     try:
-        url = resolve_url(load_settings())
+        url = resolve_admin_url(load_settings())
         return op(url)
     except ClawrlError as exc:
         print(f"{prog}: {exc.message}", file=sys.stderr)
@@ -64,22 +72,54 @@ def run_cli(prog: str, op: Callable[[str], int]) -> int:
     return 1
 
 
+def sql_role_url(url: str) -> str:
+    """The database URL with the login replaced by `clawrl_sql` (and no password: a server
+    that wants one gets it from ~/.pgpass or PGPASSWORD)."""
+    return make_url(libpq_url(url)).set(username=SQL_ROLE, password=None).render_as_string(
+        hide_password=False)
+
+
+def _connect_as_sql_role(url: str) -> psycopg.Connection[Any]:
+    try:
+        conn = psycopg.connect(sql_role_url(url), connect_timeout=10)
+    except psycopg.OperationalError as exc:
+        if f'role "{SQL_ROLE}" does not exist' in str(exc):
+            raise SqlError(f"the database has no role {SQL_ROLE} (migration 0004); run "
+                           f"`clawrl db upgrade` as a user who may create roles. Not running "
+                           f"the query as another user.") from exc
+        raise  # unreachable, refused (e.g. no password for the role): a database error
+    try:
+        row = conn.execute(
+            "SELECT session_user, r.rolsuper OR r.rolbypassrls OR EXISTS ("
+            "  SELECT 1 FROM pg_roles d WHERE (d.rolsuper OR d.rolname = ANY(%s))"
+            "  AND pg_has_role(session_user, d.oid, 'MEMBER'))"
+            " FROM pg_roles r WHERE r.rolname = session_user",
+            [list(_DANGEROUS_ROLES)]).fetchone()
+        conn.rollback()
+    except BaseException:
+        conn.close()
+        raise
+    if row is None or row[0] != SQL_ROLE or row[1]:
+        conn.close()
+        raise SqlError(f"role {SQL_ROLE} may do more than read (superuser, BYPASSRLS, or a "
+                       f"member of a superuser or server-file role); refusing. Fix it with "
+                       f"`clawrl db upgrade` or ALTER ROLE {SQL_ROLE} NOSUPERUSER.")
+    return conn
+
+
 def run_readonly_sql(url: str, query: str, *, timeout_s: float = 60.0
                      ) -> tuple[list[str], list[tuple[Any, ...]]]:
-    """Run one statement read-only; return its column names and rows."""
+    """Run one statement as `clawrl_sql`, read-only; return its column names and rows."""
     if not query.strip():
         raise SqlError("Empty query.")
-    with psycopg.connect(libpq_url(url), connect_timeout=10) as conn:
+    if not 0 < timeout_s <= MAX_TIMEOUT_S:
+        raise SqlError(f"--timeout must be more than 0 and at most {MAX_TIMEOUT_S:.0f} "
+                       f"seconds, not {timeout_s:g}.")
+    with _connect_as_sql_role(url) as conn:
         conn.read_only = True
         try:
             conn.execute("SELECT set_config('statement_timeout', %s, true)",
-                         [f"{int(timeout_s * 1000)}"])
-            as_role = conn.execute(
-                "SELECT CASE WHEN EXISTS (SELECT 1 FROM pg_roles WHERE rolname = %s)"
-                " THEN pg_has_role(%s, 'MEMBER') ELSE false END",
-                [READONLY_ROLE, READONLY_ROLE]).fetchone()
-            if as_role is not None and as_role[0]:
-                conn.execute(f"SET LOCAL ROLE {READONLY_ROLE}")
+                         [f"{max(1, int(timeout_s * 1000))}"])
             cur = psycopg.RawCursor(conn)
             # prepare=True forces the extended protocol: exactly one statement.
             cur.execute(query, prepare=True)

@@ -6,11 +6,14 @@ proves "upgrade from empty == models" and a downgrade/upgrade round trip.
 
 Tables and who writes them:
 - users, api_keys                      proxy (CLI / admin API)
-- sessions, turns, feedback            proxy (turn log, session inference)
+- sessions, turns, feedback            proxy (turn log, session inference, session outcomes)
+- dead_letters                         proxy (records the turn writer could not store)
 - jobs                                 proxy enqueues (same transaction as the turn), judge claims
 - judgments                            judge (reward, every raw vote, hint, teacher logprobs)
 - samples                              judge writes one per judged, trainable turn; trainer claims
 - training_steps, policy_versions      trainer
+- user_adapters                        whoever publishes per-user LoRA adapters (the trainer);
+                                       the proxy reads it to pick a user's adapter
 """
 
 from __future__ import annotations
@@ -74,6 +77,10 @@ class ApiKey(Base):
     name: Mapped[str | None] = mapped_column(Text)
     # Requests per minute; NULL means the proxy default, 0 means unlimited.
     rate_limit_rpm: Mapped[int | None] = mapped_column(Integer)
+    # Fair share (proxy/limits.py), NULL: the proxy default, 0: unlimited. Requests in
+    # flight at once, and prompt + completion tokens per minute.
+    max_concurrent: Mapped[int | None] = mapped_column(Integer)
+    rate_limit_tpm: Mapped[int | None] = mapped_column(Integer)
     created_at: Mapped[dt.datetime] = _now()
     revoked_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
     last_used_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
@@ -90,6 +97,14 @@ class ChatSession(Base):
     last_turn_at: Mapped[dt.datetime] = _now()
     # Set by `X-Session-Done` or the session timeout.
     closed_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+    # A verifier's outcome in [-1, 1] (`POST /v1/sessions/{id}/outcome` or the
+    # `X-Session-Outcome` header; the last one wins), mixed by the trainer into the reward
+    # of every sample of the session it claims afterwards (docs/trainer.md).
+    outcome: Mapped[float | None] = mapped_column(Double)
+    outcome_source: Mapped[str | None] = mapped_column(String(16))  # 'api' or 'header'
+    outcome_key_id: Mapped[int | None] = mapped_column(
+        ForeignKey("api_keys.id", ondelete="SET NULL"))
+    outcome_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
 
     __table_args__ = (
         Index("ix_sessions_user_external", "user_id", "external_id", unique=True,
@@ -126,6 +141,9 @@ class Turn(Base):
     response_ids: Mapped[list[int] | None] = mapped_column(IntArray)
     response_logprobs: Mapped[list[float] | None] = mapped_column(FloatArray)
     weight_version: Mapped[str | None] = mapped_column(Text)
+    # The user's LoRA adapter that served the turn (its engine name and version); NULL: base.
+    adapter: Mapped[str | None] = mapped_column(Text)
+    adapter_version: Mapped[int | None] = mapped_column(Integer)
     finish_reason: Mapped[str | None] = mapped_column(String(32))
     status: Mapped[str] = mapped_column(String(32))
     error: Mapped[str | None] = mapped_column(Text)
@@ -145,6 +163,9 @@ class Turn(Base):
               postgresql_where=text("state = 'open'")),
         Index("ix_turns_user_created", "user_id", "created_at"),
         Index("ix_turns_open_created", "created_at", postgresql_where=text("state = 'open'")),
+        # The console's filters (migration 0005): a version's turns newest first, a time range.
+        Index("ix_turns_version_id", "weight_version", "id"),
+        Index("ix_turns_created_at", "created_at"),
     )
 
 
@@ -158,6 +179,22 @@ class Feedback(Base):
     user_id: Mapped[int] = mapped_column(ForeignKey("users.id", ondelete="CASCADE"))
     rating: Mapped[int | None] = mapped_column(SmallInteger)  # +1 / -1
     text: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[dt.datetime] = _now()
+
+
+class DeadLetter(Base):
+    """A record the turn writer could not store: its raw JSON and the error, kept for an admin.
+
+    One bad record never stops the writer (proxy/store.py); it lands here instead, visible in
+    SQL and counted in /metrics (`clawrl_dead_letters_total`).
+    """
+
+    __tablename__ = "dead_letters"
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    kind: Mapped[str] = mapped_column(String(32))  # what the record was: 'turn', 'feedback', …
+    payload: Mapped[str] = mapped_column(Text)  # the record as the writer held it, JSON text
+    error: Mapped[str] = mapped_column(Text)
     created_at: Mapped[dt.datetime] = _now()
 
 
@@ -234,6 +271,9 @@ class Sample(Base):
     trained_step: Mapped[int | None] = mapped_column(Integer)
     # Set instead when the trainer skips it (e.g. "stale", "too long").
     skipped_reason: Mapped[str | None] = mapped_column(Text)
+    # The session outcome the trainer mixed into this sample's reward (set with
+    # trained_step; NULL when the session had none when the sample was claimed).
+    outcome: Mapped[float | None] = mapped_column(Double)
 
     __table_args__ = (
         Index("ix_samples_ready", "id",
@@ -277,6 +317,26 @@ class PolicyVersion(Base):
     published_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
 
 
+class UserAdapter(Base):
+    """The LoRA adapter a user's requests are served with (docs/proxy.md, "Personal adapters").
+
+    The publisher writes the adapter's folder, loads it into the engine under `name`
+    (`/load_lora_adapter`), then sets `name`, `version`, `path` and `loaded = true` in one
+    UPDATE; the proxy sends that user's requests with `lora_path: name` while `loaded` is
+    true, and serves the base model otherwise.
+    """
+
+    __tablename__ = "user_adapters"
+
+    user_id: Mapped[int] = mapped_column(ForeignKey("users.id", ondelete="CASCADE"),
+                                         primary_key=True)
+    name: Mapped[str] = mapped_column(Text, unique=True)
+    version: Mapped[int] = mapped_column(Integer)
+    path: Mapped[str] = mapped_column(Text)
+    loaded: Mapped[bool] = mapped_column(Boolean, server_default=text("false"))
+    updated_at: Mapped[dt.datetime] = _now()
+
+
 def sync_url(url: str) -> str:
     """Normalise any Postgres URL to SQLAlchemy's psycopg 3 driver."""
     u = make_url(url)
@@ -290,8 +350,12 @@ def libpq_url(url: str) -> str:
 
 
 def create_engine(url: str, **kw: Any) -> Engine:
+    """A sync engine. Statement parameters (message text) never appear in errors or logs."""
+    kw.setdefault("hide_parameters", True)
     return sa_create_engine(sync_url(url), pool_pre_ping=True, **kw)
 
 
 def create_async(url: str, **kw: Any) -> AsyncEngine:
+    """An async engine; like `create_engine`, errors and logs carry no parameters."""
+    kw.setdefault("hide_parameters", True)
     return create_async_engine(sync_url(url), pool_pre_ping=True, **kw)

@@ -1,6 +1,11 @@
 """Database plumbing for the CLI: resolve the URL (or start an embedded Postgres), migrate.
 
 `clawrl db upgrade [--revision head]`, `clawrl db downgrade REV`, `clawrl db url`.
+
+Servers (`clawrl up`, `clawrl proxy`, `clawrl db upgrade`) may create the embedded database;
+admin commands (`clawrl users|keys|sql|versions`) only find one (`resolve_admin_url`): the
+configured URL, the running `clawrl up` (proxy/statefile.py, applied by proxy/cli.py), or
+an embedded database that already exists under the state dir; else they refuse.
 """
 
 from __future__ import annotations
@@ -15,7 +20,9 @@ from typing import Any
 from alembic import command
 from alembic.config import Config
 
+from proxy.errors import ClawrlError
 from proxy.settings import Settings, load_settings
+from proxy.statefile import state_file
 
 log = logging.getLogger("clawrl.db")
 
@@ -74,6 +81,27 @@ def resolve_url(settings: Settings) -> str:
     if settings.database.url is not None:
         return settings.database.url.get_secret_value()
     return start_embedded(settings.state_dir)
+
+
+class NoDatabase(ClawrlError):
+    """An admin command found no database to work on (and must not create one)."""
+
+    status, type, code = 503, "api_error", "no_database"
+
+
+def resolve_admin_url(settings: Settings) -> str:
+    """The database an admin command works on: the configured URL (set by the user, or
+    from the running `clawrl up`), or the embedded database already under the state dir.
+    Never creates a database: with neither, raise NoDatabase saying where it looked."""
+    if settings.database.url is not None:
+        return settings.database.url.get_secret_value()
+    pgdata = (settings.state_dir / "pg").resolve()
+    if (pgdata / "PG_VERSION").is_file():
+        return start_embedded(settings.state_dir)
+    raise NoDatabase(
+        f"no database: no running `clawrl up` (looked for {state_file()}) and no embedded "
+        f"database at {pgdata}; start `clawrl up`, run this from the folder you ran it in, "
+        f"or set CLAWRL_DATABASE__URL=postgresql://USER@HOST:PORT/DB")
 
 
 def main(argv: list[str]) -> int:

@@ -17,16 +17,17 @@ class ClawrlError(Exception):
     code: str | None = "internal_error"
 
     def __init__(self, message: str, *, code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: dict[str, str] | None = None, param: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         if code is not None:
             self.code = code
         self.headers = headers or {}
+        self.param = param  # the request field at fault, when there is one
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "code": self.code,
-                          "param": None}}
+                          "param": self.param}}
 
 
 class BadRequest(ClawrlError):

@@ -19,7 +19,8 @@ ROUTES = frozenset({"/v1/chat/completions", "/v1/models", "/v1/feedback", "/heal
 
 
 class ProxyMetrics:
-    def __init__(self, backlog: Callable[[], float], journal: Callable[[], float]) -> None:
+    def __init__(self, backlog: Callable[[], float], journal: Callable[[], float],
+                 writer_up: Callable[[], float] = lambda: 1.0) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter("clawrl_requests", "HTTP requests by route and status",
                                 ["route", "status"], registry=self.registry)
@@ -36,6 +37,14 @@ class ProxyMetrics:
               registry=self.registry).set_function(backlog)
         Gauge("clawrl_journal_turns", "Turns waiting in the local journal for Postgres",
               registry=self.registry).set_function(journal)
+        Gauge("clawrl_turn_writer_up", "1 while the turn writer task runs",
+              registry=self.registry).set_function(writer_up)
+        self.dead_letters = Counter("clawrl_dead_letters", "Records the database refused, kept "
+                                    "in the dead_letters table", registry=self.registry)
+        self.writer_restarts = Counter("clawrl_turn_writer_restarts", "Turn writer restarts "
+                                       "after it ended unexpectedly", registry=self.registry)
+        self.turns_spilled = Counter("clawrl_turns_spilled", "Turns moved to the journal "
+                                     "because the backlog was full", registry=self.registry)
 
     def count_tokens(self, prompt: int, completion: int) -> None:
         if prompt:

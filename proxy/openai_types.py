@@ -1,49 +1,118 @@
-"""Validation of the OpenAI chat completion request (the part the proxy relies on).
+"""Validation of the OpenAI chat completion request: what the proxy accepts, and bounds.
 
-The proxy forwards the client's JSON body to the engine as it came, so these models only
-*check* it: messages present and well formed, known roles, field types. Unknown fields are
-allowed here and pass through to the engine untouched.
+The proxy forwards the client's JSON body to the engine and stores it in the turn log, so
+what it accepts is an allow-list: the OpenAI fields the engines support (plus SGLang's
+`top_k`), each with a bounded size. Anything else is a 400 naming the field — in particular
+overrides that would make the stored conversation differ from what the model saw
+(`input_ids`, `chat_template`, `chat_template_kwargs`, `continue_final_message`) and knobs
+that make generation unbounded (`ignore_eos`, `min_tokens`). Every parsed JSON value
+(the body, and a tool call's `arguments` string) is depth-limited (`check_depth`), and
+`max_tokens` is capped at the model's context length (proxy/chat.py).
 """
 
 from __future__ import annotations
 
+import itertools
+import re
 import uuid
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from proxy.errors import BadRequest
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
+# How deep any JSON a client sends may nest (objects and arrays); tool schemas need ~10.
+MAX_JSON_DEPTH = 64
+MAX_STOP = 4
+MAX_STOP_CHARS = 512
+# The request's parameters (everything but messages and tools), serialised, at most.
+MAX_PARAMS_BYTES = 64 * 1024
+_INT64 = 2**63 - 1
 
-class _Open(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
+# Fields an OpenAI client may send back inside an assistant message that mean nothing to
+# the engine: dropped (when empty) rather than refused, so resending a reply works.
+_DROPPED_MESSAGE_FIELDS = ("refusal", "annotations", "audio", "function_call")
+_REFUSED = {
+    "input_ids": "the proxy logs the conversation, so the prompt must come from 'messages'",
+    "chat_template": "the chat template is the model's own",
+    "chat_template_kwargs": "the chat template is the model's own",
+    "continue_final_message": "the chat template is the model's own",
+    "ignore_eos": "generation must be able to stop",
+    "min_tokens": "generation must be able to stop",
+}
 
 
-class ContentPart(_Open):
-    type: str
+def json_depth(value: Any, limit: int) -> int:
+    """The nesting depth of a parsed JSON value, counted without recursion; stops counting
+    (returning limit + 1) as soon as it passes `limit`."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        if depth > limit:
+            return limit + 1
+        deepest = max(deepest, depth)
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+def loads_bounded(raw: str | bytes, limit: int = MAX_JSON_DEPTH) -> Any:
+    """Parse client JSON: linear time (orjson), no Python recursion, at most `limit` deep.
+    Raises ValueError (orjson.JSONDecodeError is one) for invalid or too deeply nested JSON."""
+    value = orjson.loads(raw)
+    if json_depth(value, limit) > limit:
+        raise ValueError(f"JSON nested deeper than {limit} levels")
+    return value
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class ImageUrl(_Strict):
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ContentPart(_Strict):
+    type: Literal["text", "image_url"]
     text: str | None = None
+    image_url: ImageUrl | None = None
 
 
-class FunctionCall(_Open):
-    name: str
+class FunctionCall(_Strict):
+    name: str = Field(max_length=256)
     arguments: str | dict[str, Any] = ""
 
 
-class ToolCall(_Open):
-    id: str | None = None
-    type: str = "function"
+class ToolCall(_Strict):
+    id: str | None = Field(default=None, max_length=256)
+    type: Literal["function"] = "function"
+    index: int | None = None
     function: FunctionCall
 
 
-class ChatMessage(_Open):
+class ChatMessage(_Strict):
     role: Role
     content: str | list[ContentPart] | None = None
-    name: str | None = None
+    name: str | None = Field(default=None, max_length=256)
     tool_calls: list[ToolCall] | None = None
-    tool_call_id: str | None = None
+    tool_call_id: str | None = Field(default=None, max_length=256)
     reasoning_content: str | None = None
 
     @model_validator(mode="after")
@@ -56,55 +125,121 @@ class ChatMessage(_Open):
         return self
 
 
-class StreamOptions(_Open):
+class StreamOptions(_Strict):
     include_usage: bool | None = None
 
 
-class FunctionDef(_Open):
-    name: str
+class FunctionDef(_Strict):
+    name: str = Field(max_length=256)
     description: str | None = None
     parameters: dict[str, Any] | None = None
+    strict: bool | None = None
 
 
-class Tool(_Open):
-    type: str = "function"
+class Tool(_Strict):
+    type: Literal["function"] = "function"
     function: FunctionDef
 
 
-class ChatCompletionRequest(_Open):
-    model: str | None = None
+class ChatCompletionRequest(_Strict):
+    model: str | None = Field(default=None, max_length=256)
     messages: list[ChatMessage] = Field(min_length=1)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    tools: list[Tool] | None = None
+    tools: list[Tool] | None = Field(default=None, max_length=128)
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     n: int | None = Field(default=None, ge=1, le=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0)
+    max_tokens: int | None = Field(default=None, ge=1, le=_INT64)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=_INT64)
+    temperature: float | None = Field(default=None, ge=0, le=100)
     top_p: float | None = Field(default=None, ge=0, le=1)
+    top_k: int | None = Field(default=None, ge=-1, le=1_000_000)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = Field(default=None, max_length=300)
+    response_format: dict[str, Any] | None = None
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
-    user: str | None = None
+    seed: int | None = Field(default=None, ge=-_INT64 - 1, le=_INT64)
+    user: str | None = Field(default=None, max_length=256)
+
+    @field_validator("stop")
+    @classmethod
+    def _bounded_stop(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        stops = [stop] if isinstance(stop, str) else stop or []
+        if len(stops) > MAX_STOP or any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"at most {MAX_STOP} strings of at most {MAX_STOP_CHARS} "
+                             f"characters")
+        return stop
+
+    @property
+    def requested_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
 
 
 _BRANCH_LABELS = {"str", "int", "float", "bool", "dict", "list", "none"}
 
 
-def _describe(exc: ValidationError) -> str:
-    """One readable line for the first validation error, naming the parameter."""
-    err = exc.errors()[0]
+def _describe(exc: ValidationError) -> tuple[str, str | None, str]:
+    """One readable line for the first validation error naming the parameter, the
+    parameter's path, and the error code."""
+    # The most specific error: for a union (`str | list[...]`) the branch that got furthest.
+    err = max(exc.errors(), key=lambda e: len(e["loc"]))
     # Drop pydantic's union-branch labels ("str", "list[ContentPart]", ...) from the path.
     path = ".".join(str(p) for p in err["loc"] if str(p) not in _BRANCH_LABELS
-                    and "[" not in str(p))
+                    and "[" not in str(p) and not str(p).startswith("literal"))
     msg = str(err["msg"]).removeprefix("Value error, ")
+    if err["type"] == "extra_forbidden":
+        field = str(err["loc"][-1])
+        why = _REFUSED.get(field)
+        reason = f": {why}" if why else ""
+        return (f"Unsupported parameter: '{path}' is not accepted{reason}.", path,
+                "unsupported_parameter")
     if err["type"] == "missing":
-        return f"'{path}' is a required property"
+        return f"'{path}' is a required property", path, "invalid_request"
     if err["type"] == "too_short" and path == "messages":
-        return "'messages' must contain at least one message"
-    return f"Invalid value for '{path}': {msg}" if path else msg
+        return "'messages' must contain at least one message", path, "invalid_request"
+    return (f"Invalid value for '{path}': {msg}" if path else msg), path or None, \
+        "invalid_request"
+
+
+def _drop_empty_extras(body: dict[str, Any]) -> None:
+    """Remove reply-only fields (`refusal`, ...) that clients send back inside messages."""
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return
+    for message in messages:
+        if isinstance(message, dict):
+            for name in _DROPPED_MESSAGE_FIELDS:
+                if name in message and not message[name]:
+                    del message[name]
+
+
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+_STEP = {"[": 1, "{": 1, "]": -1, "}": -1}
+
+
+def bracket_depth(raw: str) -> int:
+    """How deep the brackets of JSON-ish text nest (outside string literals), in linear
+    time and without parsing: what a recursive parser would have to descend."""
+    brackets = _NOT_BRACKET.sub("", _JSON_STRING.sub("", raw))
+    return max(itertools.accumulate(map(_STEP.__getitem__, brackets)), default=0)
+
+
+def _check_arguments(request: ChatCompletionRequest) -> None:
+    """A tool call's `arguments` string is parsed by the engine (and by session inference):
+    it must not nest deeper than any other JSON the proxy accepts, valid JSON or not."""
+    for i, message in enumerate(request.messages):
+        for j, call in enumerate(message.tool_calls or ()):
+            raw = call.function.arguments
+            if isinstance(raw, str) and bracket_depth(raw) > MAX_JSON_DEPTH:
+                where = f"messages.{i}.tool_calls.{j}.function.arguments"
+                raise BadRequest(f"Invalid value for '{where}': JSON nested deeper than "
+                                 f"{MAX_JSON_DEPTH} levels.", param=where)
 
 
 def parse_chat_request(raw: bytes) -> tuple[dict[str, Any], ChatCompletionRequest]:
@@ -116,10 +251,20 @@ def parse_chat_request(raw: bytes) -> tuple[dict[str, Any], ChatCompletionReques
                          code="invalid_json") from exc
     if not isinstance(body, dict):
         raise BadRequest("The request body must be a JSON object.", code="invalid_json")
+    if json_depth(body, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
+        raise BadRequest(f"The request body nests JSON deeper than {MAX_JSON_DEPTH} levels.",
+                         code="invalid_json")
+    _drop_empty_extras(body)
     try:
         request = ChatCompletionRequest.model_validate(body)
     except ValidationError as exc:
-        raise BadRequest(_describe(exc)) from exc
+        message, param, code = _describe(exc)
+        raise BadRequest(message, code=code, param=param) from exc
+    _check_arguments(request)
+    params = {k: v for k, v in body.items() if k not in ("messages", "tools")}
+    if len(orjson.dumps(params)) > MAX_PARAMS_BYTES:
+        raise BadRequest(f"The request's parameters (all but 'messages' and 'tools') exceed "
+                         f"{MAX_PARAMS_BYTES} bytes.", code="params_too_large")
     return body, request
 
 
@@ -143,9 +288,47 @@ class FeedbackRequest(BaseModel):
 
 
 def parse_feedback(raw: bytes) -> FeedbackRequest:
+    return _parse_small(FeedbackRequest, raw)
+
+
+class OutcomeRequest(BaseModel):
+    """`POST /v1/sessions/{id}/outcome`: a verifier's outcome for the whole session, a
+    number in [-1, 1] (+1 solved, -1 failed; anything between for partial credit)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    outcome: float = Field(ge=-1.0, le=1.0, allow_inf_nan=False)
+
+
+def parse_outcome(raw: bytes) -> OutcomeRequest:
+    return _parse_small(OutcomeRequest, raw)
+
+
+_Small = TypeVar("_Small", FeedbackRequest, OutcomeRequest)
+
+
+def _parse_small(model: type[_Small], raw: bytes) -> _Small:
+    """A small JSON body (feedback, outcome) or 400 in one readable line."""
     try:
-        return FeedbackRequest.model_validate_json(raw)
+        return model.model_validate_json(raw)
     except ValidationError as exc:
         if exc.errors()[0]["type"] == "json_invalid":
             raise BadRequest("The request body is not valid JSON.", code="invalid_json") from exc
-        raise BadRequest(_describe(exc)) from exc
+        message, param, _ = _describe(exc)
+        raise BadRequest(message, param=param) from exc
+
+
+_OUTCOME_RE = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?")
+
+
+def parse_outcome_header(value: str | None) -> float | None:
+    """The `X-Session-Outcome` header: None when absent or empty, else a decimal number in
+    [-1, 1] (no NaN, no infinity, no `1_0`), or 400."""
+    text = (value or "").strip()
+    if not text:
+        return None
+    if len(text) > 32 or not _OUTCOME_RE.fullmatch(text):
+        raise BadRequest("The X-Session-Outcome header must be a number in [-1, 1].")
+    outcome = float(text)
+    if not -1.0 <= outcome <= 1.0:
+        raise BadRequest("The X-Session-Outcome header must be a number in [-1, 1].")
+    return outcome

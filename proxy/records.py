@@ -37,15 +37,19 @@ class TurnRecord:
     params: dict[str, Any]
     tools: list[Any] | None = None
     kind: str = "main"  # 'main' or 'side'
-    # From the headers: `X-Session-Id` and `X-Session-Done`.
+    # From the headers: `X-Session-Id`, `X-Session-Done` and `X-Session-Outcome`.
     session_external_id: str | None = None
     session_done: bool = False
+    session_outcome: float | None = None
     train_opt_out: bool = False
     response_message: dict[str, Any] | None = None
     prompt_ids: list[int] | None = None
     response_ids: list[int] | None = None
     response_logprobs: list[float] | None = None
     weight_version: str | None = None
+    # The user's LoRA adapter that served the turn (name and version); None: the base model.
+    adapter: str | None = None
+    adapter_version: int | None = None
     finish_reason: str | None = None
     status: str = "ok"  # 'ok', 'client_disconnected', 'engine_error'
     error: str | None = None
@@ -76,6 +80,7 @@ class TurnRecord:
             "response_message": self.response_message, "prompt_ids": self.prompt_ids,
             "response_ids": self.response_ids, "response_logprobs": self.response_logprobs,
             "weight_version": self.weight_version, "finish_reason": self.finish_reason,
+            "adapter": self.adapter, "adapter_version": self.adapter_version,
             "status": self.status, "error": self.error, "latency_ms": self.latency_ms,
             "created_at": dt.datetime.fromisoformat(self.created_at),
         }

@@ -19,13 +19,16 @@ A match consumes the turn (it is no longer open), and candidates are locked with
 `FOR UPDATE SKIP LOCKED`, so two concurrent sessions with identical openings each continue
 a different turn. A turn never continued is closed by `close_stale_turns` after the session
 timeout and is never trained.
+
+A session's outcome (a verifier's number in [-1, 1]) is set by `set_outcome`
+(`POST /v1/sessions/{id}/outcome`) or by the `X-Session-Outcome` header of any of its
+requests, in the transaction that records that request; the last one set wins.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import re
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -39,15 +42,17 @@ from sqlalchemy.types import ARRAY
 
 from proxy.db import ChatSession, Turn
 from proxy.jobs import enqueue_stmt, notify_stmt
+from proxy.openai_types import loads_bounded
 from proxy.records import TurnRecord
 
-_THINK = re.compile(r"<think>.*?</think>", re.DOTALL)
+_OPEN, _CLOSE = "<think>", "</think>"
 _SYSTEM_ROLES = frozenset({"system", "developer"})
 _SEP = b"\x1e"  # record separator between canonical messages in the hash stream
 
 # Explicit `X-Session-Id`s map to stable session UUIDs, so the proxy can answer
 # `X-Clawrl-Session-Id` without asking the database.
 _SESSION_NS = uuid.UUID("6f6b1d8e-3c1a-4e55-9a2b-1c7d0c1a5e10")
+MAX_SESSION_ID = 256  # characters of an `X-Session-Id`
 
 
 def explicit_session_id(user_id: int, external_id: str) -> uuid.UUID:
@@ -67,11 +72,28 @@ def _text(content: Any) -> str:
 
 def _arguments(raw: Any) -> Any:
     if isinstance(raw, str):
-        try:
-            return json.loads(raw)
+        try:  # bounded: a record journaled by an older proxy may nest arbitrarily deep
+            return loads_bounded(raw)
         except ValueError:
             return raw.strip()
     return raw
+
+
+def strip_think(text: str) -> str:
+    """`text` without `<think>…</think>` blocks (each from an opening tag to the next
+    closing tag; an unclosed block is kept), in one linear pass — a lazy regex rescans the
+    rest of the text from every opening tag."""
+    parts, pos = [], 0
+    while (start := text.find(_OPEN, pos)) >= 0:
+        end = text.find(_CLOSE, start + len(_OPEN))
+        if end < 0:
+            break
+        parts.append(text[pos:start])
+        pos = end + len(_CLOSE)
+    if not parts:
+        return text
+    parts.append(text[pos:])
+    return "".join(parts)
 
 
 def canonical_message(message: dict[str, Any]) -> bytes:
@@ -79,7 +101,7 @@ def canonical_message(message: dict[str, Any]) -> bytes:
     role = message.get("role")
     body = _text(message.get("content"))
     if role == "assistant":
-        body = _THINK.sub("", body)
+        body = strip_think(body)
     calls = [[(c.get("function") or {}).get("name"),
               _arguments((c.get("function") or {}).get("arguments"))]
              for c in message.get("tool_calls") or [] if isinstance(c, dict)]
@@ -156,24 +178,65 @@ async def _find_continued(conn: AsyncConnection, rec: TurnRecord, session_id: uu
     return row, length
 
 
-def _session_upsert(done: bool) -> Any:
-    """Create the session, or bump its `last_turn_at` (closing it when `done`)."""
+def _session_upsert(done: bool, outcome: bool) -> Any:
+    """Create the session, or bump its `last_turn_at` (closing it when `done`, setting its
+    outcome from the `X-Session-Outcome` header when `outcome`)."""
     closed_at = func.now() if done else None
+    values: dict[str, Any] = {"closed_at": closed_at}
+    if outcome:
+        values |= {"outcome": bindparam("outcome"), "outcome_source": "header",
+                   "outcome_key_id": bindparam("outcome_key_id"), "outcome_at": func.now()}
     return (pg_insert(_SESSIONS)
             .values(id=bindparam("session_id"), user_id=bindparam("owner_id"),
-                    external_id=bindparam("external_id"), closed_at=closed_at)
+                    external_id=bindparam("external_id"), **values)
             .on_conflict_do_update(index_elements=[_SESSIONS.c.id],
-                                   set_={"last_turn_at": func.now(), "closed_at": closed_at}))
+                                   set_={"last_turn_at": func.now(), **values}))
 
 
 _SESSIONS: Table = ChatSession.__table__  # type: ignore[assignment]
-_UPSERT_SESSION = {done: _session_upsert(done) for done in (False, True)}
+_UPSERT_SESSION = {(done, outcome): _session_upsert(done, outcome)
+                   for done in (False, True) for outcome in (False, True)}
 
 
 async def _upsert_session(conn: AsyncConnection, rec: TurnRecord, session_id: uuid.UUID,
                           external_id: str | None) -> None:
-    await conn.execute(_UPSERT_SESSION[rec.session_done], {
-        "session_id": session_id, "owner_id": rec.user_id, "external_id": external_id})
+    params: dict[str, Any] = {"session_id": session_id, "owner_id": rec.user_id,
+                              "external_id": external_id}
+    has_outcome = rec.session_outcome is not None
+    if has_outcome:
+        params |= {"outcome": rec.session_outcome, "outcome_key_id": rec.api_key_id}
+    await conn.execute(_UPSERT_SESSION[rec.session_done, has_outcome], params)
+
+
+def session_candidates(user_id: int, ref: str) -> list[uuid.UUID]:
+    """The session ids a client's reference may name, in order of preference: its own
+    `X-Session-Id` (mapped as `explicit_session_id` maps it), then the proxy's session UUID
+    (`X-Clawrl-Session-Id`, or `sessions.id` read in SQL)."""
+    found = [explicit_session_id(user_id, ref)]
+    try:
+        found.append(uuid.UUID(ref))
+    except ValueError:
+        pass
+    return found
+
+
+async def set_outcome(conn: AsyncConnection, *, user_id: int, ref: str, outcome: float,
+                      key_id: int | None) -> uuid.UUID | None:
+    """Set the outcome of `user_id`'s session named `ref` (see `session_candidates`); the
+    session's id, or None when the user has no such session (another user's included)."""
+    candidates = session_candidates(user_id, ref)
+    target = (select(ChatSession.id)
+              .where(ChatSession.user_id == user_id, ChatSession.id.in_(candidates))
+              .order_by(func.array_position(
+                  bindparam("ids", candidates, type_=ARRAY(PG_UUID(as_uuid=True))),
+                  ChatSession.id))
+              .limit(1).scalar_subquery())
+    row = (await conn.execute(
+        update(ChatSession).where(ChatSession.id == target)
+        .values(outcome=outcome, outcome_source="api", outcome_key_id=key_id,
+                outcome_at=func.now())
+        .returning(ChatSession.id))).scalar()
+    return None if row is None else uuid.UUID(str(row))
 
 
 async def _next_index(conn: AsyncConnection, session_id: uuid.UUID) -> int:
@@ -230,7 +293,8 @@ async def _record_turn(conn: AsyncConnection, rec: TurnRecord, include_system: b
         session_id, index = None, 0
 
     if session_id is not None:
-        if explicit is not None or index == 0 or rec.session_done:
+        if (explicit is not None or index == 0 or rec.session_done
+                or rec.session_outcome is not None):
             await _upsert_session(conn, rec, session_id, rec.session_external_id)
         else:
             touched.add(session_id)

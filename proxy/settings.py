@@ -11,6 +11,7 @@ same conventions (`CLAWRL_JUDGE__…`, `CLAWRL_TRAINER__…`).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -40,13 +41,29 @@ class ProxySettings(BaseModel):
     max_body_bytes: int = 4 * 1024 * 1024
     # Default per-key limit; a key can override it. 0 disables the limit.
     rate_limit_rpm: int = 600
+    # Fair share (proxy/limits.py), per key unless the key sets its own; 0 disables.
+    # Requests of one key in flight at once: past it, 429 at once rather than a queue
+    # at the engine in front of other keys.
+    max_concurrent: int = 64
+    # Prompt + completion tokens per minute (admitted on an estimate, corrected by what
+    # the engine reports it used).
+    rate_limit_tpm: int = 1_000_000
     # Turns with no continuation for this long are closed (kept, never trained).
     session_timeout_s: float = 1800.0
     # Agent frameworks rewrite the system prompt per request; leave it out of fingerprints.
     fingerprint_system: bool = False
     # Turns wait here when Postgres is unreachable and are replayed in order later.
     journal_path: Path | None = None
+    # "group": every served turn is committed to Postgres or in an fsynced journal segment
+    # within ~100 ms of its reply (group commit; a kill -9 loses at most those turns).
+    # "sync": the reply's final byte waits for that commit or fsync (nothing read is lost).
+    durability: Literal["group", "sync"] = "group"
+    # Turns served but not yet stored: past this many, queued turns spill to the journal
+    # and /readyz answers 503.
+    turn_backlog_max: int = 10_000
     served_model_name: str | None = None
+    # `max_tokens` above this is refused; unset: the engine's context length (/model_info).
+    max_context_tokens: int | None = None
 
 
 class Settings(BaseSettings):
@@ -60,7 +77,8 @@ class Settings(BaseSettings):
     proxy: ProxySettings = ProxySettings()
 
     def journal_file(self) -> Path:
-        return self.proxy.journal_path or self.state_dir / "journal.jsonl"
+        """The journal's directory of segments (proxy/journal.py)."""
+        return self.proxy.journal_path or self.state_dir / "journal"
 
 
 def load_settings(**overrides: object) -> Settings:

@@ -1,7 +1,7 @@
 """The proxy's calls to the serving engine (SGLang, or `clawrl engine`), and their errors.
 
 Chat requests go to the engine's OpenAI route with the client's body plus the fields that
-make the engine return the exact sampled token ids and their logprobs (SGLANG.md §1.2):
+make the engine return the exact sampled token ids and their logprobs (docs/engine-protocol.md §1.2):
 non-streaming `logprobs` + `return_token_ids`; streaming `logprobs` + the `sglext` id
 fields, which SGLang sends in one final `choices: []` chunk. What the client did not ask
 for is stripped from the answer again (see `client_view` and proxy/sse.py).
@@ -47,9 +47,20 @@ def create_client(settings: EngineSettings,
                              timeout=timeout, transport=transport)
 
 
-def engine_body(body: dict[str, Any], *, stream: bool) -> dict[str, Any]:
-    """The client's body with the fields that return exact token ids and logprobs."""
+def engine_body(body: dict[str, Any], *, stream: bool,
+                adapter: str | None = None) -> dict[str, Any]:
+    """The client's body with the fields that return exact token ids and logprobs, and the
+    user's LoRA adapter (`lora_path`, SGLang's field) when they have one.
+
+    `model: "base:adapter"` picks an adapter on SGLang (and `clawrl engine`), so a client's
+    model name keeps only what comes before a ':' — the proxy alone chooses adapters, from
+    the API key's user, and nobody can name another user's."""
     out = dict(body)
+    model = out.get("model")
+    if isinstance(model, str) and ":" in model:
+        out["model"] = model.split(":", 1)[0] or "default"
+    if adapter is not None:
+        out["lora_path"] = adapter
     out["logprobs"] = True
     if stream:
         for name in _STREAM_ONLY_CONFLICTS:  # SGLang refuses these when streaming
@@ -87,6 +98,14 @@ def engine_message(content: bytes) -> str:
         if data.get("detail") is not None:
             return json.dumps(data["detail"])[:500]
     return json.dumps(data)[:500]
+
+
+def adapter_missing(exc: ClawrlError, adapter: str) -> bool:
+    """The engine refused a request because `adapter` is not loaded there (SGLang and
+    `clawrl engine` both name the adapter in a 400 about "LoRA": never loaded, unloaded,
+    LoRA not enabled, or an evicted adapter that could not be reloaded)."""
+    return (isinstance(exc, BadRequest) and exc.code == "engine_rejected"
+            and "LoRA" in exc.message and adapter in exc.message)
 
 
 def error_for_status(status: int, content: bytes) -> ClawrlError:
@@ -177,6 +196,9 @@ class Upstream:
         # Last version read from /model_info; used for streamed turns, whose chunks carry
         # no weight version on SGLang.
         self.weight_version: str | None = None
+        # The model's context length, from /model_info (the embedded engine) or /v1/models
+        # (`max_model_len`, SGLang); None until known.
+        self.context_length: int | None = None
 
     async def aclose(self) -> None:
         if self.pool is not None:
@@ -254,7 +276,23 @@ class Upstream:
             raise error_for_status(response.status_code, response.content)
         info: dict[str, Any] = response.json()
         self.weight_version = _version(info.get("weight_version"))
+        context = info.get("context_length") or info.get("max_model_len")
+        if isinstance(context, int) and context > 0:
+            self.context_length = context
+        elif self.context_length is None:
+            await self._context_from_models()
         return info
+
+    async def _context_from_models(self) -> None:
+        try:
+            response = await self.client.get("/v1/models")
+            models = response.json().get("data") if response.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, AttributeError):
+            return
+        first = models[0] if isinstance(models, list) and models else None
+        context = first.get("max_model_len") if isinstance(first, dict) else None
+        if isinstance(context, int) and context > 0:
+            self.context_length = context
 
     async def health(self) -> str:
         """'ok', 'busy' (503: starting, paused or loading weights) or 'down'."""

@@ -41,15 +41,26 @@ def pg_template() -> Iterator[str]:
         conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
-@pytest.fixture
-def db_url(pg_template: str) -> Iterator[str]:
-    """URL of a fresh, migrated database for this test only."""
+def _cloned_db(pg_template: str) -> Iterator[str]:
     name = f"clawrl_t_{uuid.uuid4().hex[:10]}"
     with _admin() as conn:
         conn.execute(f'CREATE DATABASE "{name}" TEMPLATE "{pg_template}"')
     yield _url_for(name)
     with _admin() as conn:
         conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
+def db_url(pg_template: str) -> Iterator[str]:
+    """URL of a fresh, migrated database for this test only."""
+    yield from _cloned_db(pg_template)
+
+
+@pytest.fixture(scope="module")
+def module_db_url(pg_template: str) -> Iterator[str]:
+    """As `db_url`, but one database for a whole module (for processes its tests share);
+    each test must tell its own rows apart."""
+    yield from _cloned_db(pg_template)
 
 
 @pytest.fixture
@@ -63,23 +74,15 @@ def empty_db_url() -> Iterator[str]:
         conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
-# --- the tiny model and the embedded engine (trainer/tinyworld.py, trainer/engine.py) ---
+# --- the tiny model and the embedded engine (trainer/world/model.py, trainer/engine/) ---
 
-import socket  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
-import time  # noqa: E402
 from collections.abc import Callable  # noqa: E402
+from contextlib import contextmanager  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-import httpx  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+from childproc import ChildServer  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -89,50 +92,38 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     Built in a child process so tests that only talk HTTP never import torch themselves.
     """
     path = tmp_path_factory.mktemp("tinyworld") / "model"
-    subprocess.run([sys.executable, "-m", "trainer.tinyworld", "init", str(path), "--seed", "0"],
+    subprocess.run([sys.executable, "-m", "trainer.world", "init", str(path), "--seed", "0"],
                    check=True, capture_output=True, text=True)
     return path
 
 
-class _EngineProcess:
+class _EngineProcess(ChildServer):
     """One `python -m trainer.engine` child; stopped (only it) at teardown."""
 
     def __init__(self, model_dir: Path, log_path: Path, extra: list[str]) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-        self._log = log_path.open("wb")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "trainer.engine", "--model", str(model_dir),
-             "--port", str(self.port), "--threads", "1", *extra],
-            stdout=self._log, stderr=subprocess.STDOUT, env=env,
-        )
+        super().__init__("engine", [sys.executable, "-m", "trainer.engine", "--model",
+                                    str(model_dir), "--port", "{port}", "--threads", "1",
+                                    *extra],
+                         log_path, ready_path="/health",
+                         env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
 
-    def wait_ready(self, timeout_s: float = 180.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"engine exited with {self.proc.returncode}:\n"
-                                   f"{self.log_path.read_text()[-4000:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"engine not healthy after {timeout_s}s:\n"
-                           f"{self.log_path.read_text()[-4000:]}")
 
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=15)
-        self._log.close()
+@contextmanager
+def _engines(log_dir: Path) -> Iterator[Callable[..., str]]:
+    started: list[_EngineProcess] = []
+
+    def start(model_dir: Path, *extra: str) -> str:
+        engine = _EngineProcess(Path(model_dir), log_dir / f"engine{len(started)}.log",
+                                list(extra))
+        started.append(engine)
+        engine.wait_ready()
+        return engine.url
+
+    try:
+        yield start
+    finally:
+        for engine in started:
+            engine.stop()
 
 
 @pytest.fixture
@@ -142,18 +133,17 @@ def engine_factory(tmp_path: Path) -> Iterator[Callable[..., str]]:
     Use this when a test changes engine state (weights, pause); every engine started here is
     terminated at teardown.
     """
-    started: list[_EngineProcess] = []
+    with _engines(tmp_path) as start:
+        yield start
 
-    def start(model_dir: Path, *extra: str) -> str:
-        engine = _EngineProcess(Path(model_dir), tmp_path / f"engine{len(started)}.log",
-                                list(extra))
-        started.append(engine)
-        engine.wait_ready()
-        return engine.url
 
-    yield start
-    for engine in started:
-        engine.stop()
+@pytest.fixture(scope="module")
+def module_engine_factory(tmp_path_factory: pytest.TempPathFactory,
+                          ) -> Iterator[Callable[..., str]]:
+    """`engine_factory` for one module's tests: an engine started here lives until the module
+    ends, so its tests share it (each must put back what it changes, or not depend on it)."""
+    with _engines(tmp_path_factory.mktemp("engines")) as start:
+        yield start
 
 
 @pytest.fixture(scope="session")
@@ -167,7 +157,7 @@ def engine_url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
         engine.stop()
 
 
-# --- the pretrained tiny world models, test and CI sizes (trainer/pretrain.py) ---
+# --- the pretrained tiny world models, test and CI sizes (trainer/world/pretrain.py) ---
 
 import hashlib  # noqa: E402
 
@@ -176,8 +166,8 @@ _REPO = Path(__file__).resolve().parent.parent
 
 def _tinyworld_code_hash() -> str:
     h = hashlib.sha256()
-    files = [_REPO / "trainer" / f for f in
-             ("world.py", "corpus.py", "pretrain.py", "world_report.py", "tinyworld.py")]
+    files = [_REPO / "trainer" / "world" / f for f in
+             ("town.py", "corpus.py", "pretrain.py", "report.py", "model.py")]
     for path in files + sorted((_REPO / "judge" / "templates").glob("*.txt")):
         h.update(path.read_bytes())
     return h.hexdigest()[:12]
@@ -192,7 +182,7 @@ path = Path(sys.argv[1])
 with open(path.parent / "tinyworld.lock", "w") as lock:
     fcntl.flock(lock, fcntl.LOCK_EX)
     if not (path / "tinyworld.json").is_file():
-        subprocess.run([sys.executable, "-m", "trainer.tinyworld", "build", str(path),
+        subprocess.run([sys.executable, "-m", "trainer.world", "build", str(path),
                         sys.argv[2]], check=True)
 """
 _background_builds: dict[str, subprocess.Popen[bytes]] = {}

@@ -24,6 +24,7 @@ from fastapi import FastAPI
 from sqlalchemy.engine import make_url
 
 from proxy.auth import generate_key
+from proxy.bench_procs import TcpRelay  # noqa: F401  (re-exported for the tests)
 
 ProxyFactory = Callable[..., Awaitable["RunningProxy"]]
 
@@ -66,14 +67,17 @@ class RunningProxy:
     def client(self, key: str, **kw: Any) -> openai.AsyncOpenAI:
         return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, **kw)
 
-    async def settle(self, timeout_s: float = 10.0) -> None:
-        """Wait until the background writer has stored (or journaled) every served turn."""
+    async def settle(self, timeout_s: float = 10.0, *, stored: bool = True) -> None:
+        """Wait until the background writer has stored every served turn (`stored=False`:
+        stored or journaled, e.g. while the database is cut off). A slow commit makes the
+        writer journal turns to keep them durable (proxy/store.py), then replay them."""
         writer = self.app.state.writer
         for _ in range(int(timeout_s / 0.02)):
-            if writer.backlog == 0:
+            if writer.backlog == 0 and (not stored or writer.journal.pending == 0):
                 return
             await asyncio.sleep(0.02)
-        raise AssertionError(f"turn writer still has {writer.backlog} turns")
+        raise AssertionError(f"turn writer still has {writer.backlog} turns, "
+                             f"{writer.journal.pending} journaled")
 
 
 @contextlib.asynccontextmanager
@@ -105,46 +109,6 @@ async def running_proxy(engine_url: str, db_url: str, state_dir: Any) -> AsyncIt
                              proxy={"journal_path": state_dir / "journal.jsonl"})
     async with serve(create_app(settings, db_url=db_url)) as url:
         yield url
-
-
-class TcpRelay:
-    """A TCP forwarder to a real server that a test can cut and restore (an outage)."""
-
-    def __init__(self, target_host: str, target_port: int) -> None:
-        self.target = (target_host, target_port)
-        self.port = 0
-        self._server: asyncio.Server | None = None
-        self._writers: set[asyncio.StreamWriter] = set()
-
-    async def start(self) -> None:
-        self._server = await asyncio.start_server(self._handle, "127.0.0.1", self.port)
-        self.port = self._server.sockets[0].getsockname()[1]
-
-    async def stop(self) -> None:
-        """Refuse new connections and cut every open one."""
-        if self._server is not None:
-            self._server.close()
-            for writer in list(self._writers):
-                writer.close()
-            await self._server.wait_closed()
-            self._server = None
-
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        up_reader, up_writer = await asyncio.open_connection(*self.target)
-        self._writers.update((writer, up_writer))
-
-        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
-            try:
-                while data := await src.read(65536):
-                    dst.write(data)
-                    await dst.drain()
-            except (ConnectionError, OSError):
-                pass
-            finally:
-                dst.close()
-
-        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
-        self._writers.difference_update((writer, up_writer))
 
 
 @dataclass

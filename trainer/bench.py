@@ -23,7 +23,6 @@ import argparse
 import math
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -38,6 +37,7 @@ import httpx
 import psutil
 import torch
 
+from proxy.bench_procs import free_port
 from proxy.settings import EngineSettings
 from trainer.backends.torch import TorchBackend
 from trainer.checkpoint import save_checkpoint
@@ -159,15 +159,9 @@ def build_random_model(out_dir: Path, tokenizer_dir: Path, *, hidden: int = 512,
     return sum(p.numel() for p in model.parameters())
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextmanager
 def engine_process(model_dir: Path, threads: int, log: Path) -> Iterator[str]:
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     with log.open("wb") as fh:
         proc = subprocess.Popen(
@@ -270,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model = args.model
         if model is None:
-            from trainer.tinyworld import init_model_dir
+            from trainer.world.model import init_model_dir
 
             model = init_model_dir(work / "tiny", seed=0, size="test")
         print(f"model {model}  threads {args.threads}  batch {args.batch}x{args.seq} "

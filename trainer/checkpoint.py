@@ -88,7 +88,7 @@ def load_checkpoint(backend: Backend, cfg: TrainerSettings, base_model_dir: Path
     backend.load(base_model_dir if cfg.lora.enabled else path, reference_dir=base_model_dir)
     if has_trainer_state(path):
         backend.load_state(path / STATE_DIR)
-        restore_rng(torch.load(path / STATE_DIR / RNG_FILE, weights_only=False))
+        restore_rng(torch.load(path / STATE_DIR / RNG_FILE, weights_only=True))
     elif cfg.lora.enabled:
         raise CheckpointError(f"{path} has no trainer_state: LoRA adapters cannot be restored")
     else:

@@ -36,6 +36,13 @@ class TrainerSettings(BaseModel):
     method: Method = "combine"
     w_rl: float = 1.0
     w_opd: float = 1.0
+    # Session outcomes (docs/trainer.md, "Outcome rewards"): a sample's reward is
+    # w_o · outcome + (1 − w_o) · process reward (either alone where only it is present;
+    # the process reward only under rl / combine). 0 ignores outcomes.
+    outcome_weight: float = Field(default=0.5, ge=0, le=1)
+    # > 0: a sample whose session has no outcome yet waits up to this long after it was
+    # written (agents whose verifier reports at the end); 0: train it at once.
+    outcome_wait_s: float = Field(default=0.0, ge=0)
     # TINYWORLD.md: lr 3e-4 collapses the tiny model; stay at or below 1e-4 with a KL term.
     lr: float = Field(default=2e-5, gt=0, le=1e-3)
     weight_decay: float = 0.0

@@ -7,8 +7,11 @@ we do our own gathering, so the shift happens exactly once, here in `gather_logp
 `mask[b, j]` is 1 where `input_ids[b, j + 1]` is a response token of a trainable sample and
 0 on prompt tokens and padding.
 
-The objective (DESIGN §4), per response token t of sample b:
+The objective (DESIGN §4, §10), per response token t of sample b:
 
+    r_b     = w_o · o_b + (1 − w_o) · p_b   the session outcome o mixed with the process reward
+                                            p (the judge's vote); either alone where only it is
+                                            present, and p never under 'opd' (`mix_rewards`)
     A_t     = w_rl · r_b + w_opd · (teacher_logp_t − rollout_logp_t)   (each term only where present)
     ratio_t = exp(logp_new_t − rollout_logp_t)                          (behaviour = serving policy)
     pg_t    = −min(ratio_t · A_t, clip(ratio_t, 1 − ε_low, 1 + ε_high) · A_t)
@@ -46,6 +49,35 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
     return -(logp.exp() * logp).sum(-1)
 
 
+def mix_rewards(
+    *,
+    method: str,
+    w_outcome: float,
+    reward: Tensor,
+    has_reward: Tensor,
+    outcome: Tensor,
+    has_outcome: Tensor,
+) -> tuple[Tensor, Tensor]:
+    """The sequence-level reward of each sample `[B]` float, and where it is present `[B]`.
+
+    reward / has_reward: the judge's process reward p (a NULL vote is absent, never 0), used
+    under 'rl' and 'combine' only. outcome / has_outcome: the session's verified outcome o in
+    [−1, 1], used under every method while `w_outcome` > 0. Both present: the convex mix
+    w_o · o + (1 − w_o) · p, which keeps r in [−1, 1] like the vote (w_o = 0.5 is half the
+    OpenClaw-RL agent tracks' o + p); one present: that one alone, unscaled; neither: absent.
+    """
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
+    if not 0.0 <= w_outcome <= 1.0:
+        raise ValueError(f"w_outcome must be in [0, 1], got {w_outcome}")
+    p_on = has_reward.bool() & (method in ("rl", "combine"))  # [B]
+    o_on = has_outcome.bool() & (w_outcome > 0)  # [B]
+    p = torch.where(p_on, reward.float(), 0.0)
+    o = torch.where(o_on, outcome.float(), 0.0)
+    mixed = torch.where(p_on & o_on, w_outcome * o + (1.0 - w_outcome) * p, p + o)
+    return mixed, p_on | o_on
+
+
 def compute_advantages(
     *,
     method: str,
@@ -56,24 +88,31 @@ def compute_advantages(
     teacher_logp: Tensor,
     has_teacher: Tensor,
     rollout_logp: Tensor,
+    outcome: Tensor | None = None,
+    has_outcome: Tensor | None = None,
+    w_outcome: float = 0.0,
 ) -> tuple[Tensor, Tensor]:
     """Per-token advantages `[B, T]` and which samples carry a signal `[B]` (bool).
 
     reward `[B]` float (value ignored where `has_reward` is False: a NULL reward is *absent*,
     never 0); teacher_logp and rollout_logp `[B, T]` on the target grid (teacher ignored where
-    `has_teacher` is False). `method` selects the terms: 'rl' reward only, 'opd' teacher only,
-    'combine' both, each only where present. A sample with no selected term has signal False
-    and advantage 0 everywhere; the caller must drop it from the loss mask.
+    `has_teacher` is False); outcome / has_outcome `[B]` the session outcome (None: none).
+    `method` selects the terms: 'rl' reward only, 'opd' teacher only, 'combine' both, each
+    only where present; the outcome joins the reward term under every method (`mix_rewards`).
+    A sample with no selected term has signal False and advantage 0 everywhere; the caller
+    must drop it from the loss mask.
     """
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
-    use_rl = method in ("rl", "combine")
     use_opd = method in ("opd", "combine")
-    rl_on = has_reward.bool() & use_rl  # [B]
+    if outcome is None or has_outcome is None:
+        outcome, has_outcome = torch.zeros_like(reward), torch.zeros_like(has_reward)
+    r, rl_on = mix_rewards(method=method, w_outcome=w_outcome, reward=reward,
+                           has_reward=has_reward, outcome=outcome, has_outcome=has_outcome)
     opd_on = has_teacher.bool() & use_opd  # [B]
 
     # Sequence-level reward broadcast over the sample's tokens: [B] -> [B, 1].
-    rl_term = torch.where(rl_on, reward.float(), 0.0).unsqueeze(-1)
+    rl_term = r.unsqueeze(-1)
     # Token-level distillation signal: positive where the hinted teacher likes the sampled
     # token more than the policy that sampled it did.
     opd_term = torch.where(opd_on.unsqueeze(-1), teacher_logp.float() - rollout_logp.float(), 0.0)

@@ -2,7 +2,7 @@
 
     publish_version(engine, path, 7, attempts=5)  ->  the engine's /model_info after the swap
 
-Protocol (SGLang and `clawrl engine` alike, see /work/shared/SGLANG.md): POST
+Protocol (SGLang and `clawrl engine` alike, see docs/engine-protocol.md): POST
 `/update_weights_from_disk {"model_path", "weight_version": "7"}`; the engine drains in-flight
 requests, loads the folder and swaps, or answers `success: false` and keeps serving the old
 weights. Success is only believed when `GET /model_info` reports `weight_version == "7"`.

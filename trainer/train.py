@@ -129,6 +129,9 @@ def step_rows(step: int, stats: StepStats, claim: Claim, skipped: Counter[str],
     staleness = mean(claim.batch.staleness)
     ok = stats.status == "ok"
     metrics = stats.as_metrics() | {"skipped": dict(skipped)}
+    outcomes = [o for o in claim.outcomes if o is not None]
+    if outcomes:  # samples whose session had an outcome when the batch was claimed
+        metrics |= {"outcome_samples": len(outcomes), "outcome_mean": mean(outcomes)}
     step_row = dict(step=step, version=step if ok else None, status=stats.status,
                     num_samples=stats.num_samples, num_tokens=stats.num_tokens, loss=stats.loss,
                     reward_mean=reward_mean, staleness_mean=staleness,
@@ -259,7 +262,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    from proxy.logs import setup_logging
+
+    setup_logging(logging.INFO, "%(asctime)s %(levelname)s %(message)s")
     for noisy in ("httpx", "alembic"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     settings = load_settings()
@@ -273,6 +278,13 @@ def main(argv: list[str] | None = None) -> int:
     if not (settings.model_dir() / "config.json").is_file():
         print(f"clawrl train: no model at {settings.model_dir()} (build it with `clawrl "
               "tinyworld build` or pass --model DIR)", file=sys.stderr)
+        return 1
+    from proxy.engine_check import TRAINER_NEEDS, check_at_start
+    from proxy.engine_client import EngineClient
+
+    problem = check_at_start(EngineClient.from_settings(settings.engine), TRAINER_NEEDS)
+    if problem:
+        print(f"clawrl train: {problem}", file=sys.stderr)
         return 1
     stop = StopFlag()
     stop.install()

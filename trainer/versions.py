@@ -152,9 +152,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
 
     settings: Settings = load_settings()
-    from proxy.dbcli import resolve_url
+    from proxy.dbcli import resolve_admin_url
 
-    db = create_engine(resolve_url(settings))
+    db = create_engine(resolve_admin_url(settings))
     weights_dir = settings.weights_dir()
     try:
         if args.cmd == "list":

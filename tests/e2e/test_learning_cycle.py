@@ -35,7 +35,7 @@ from trainer.train import train
 
 # The random test model rarely stops by itself; common stop strings end replies early so the
 # turn is not skipped as cut off by the length limit.
-STOP = [" ", "e", "a", "o", "t"]
+STOP = [" ", "e", "a", "o"]
 HINT = "Answer in lowercase."
 
 

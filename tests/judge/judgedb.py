@@ -11,6 +11,7 @@ from sqlalchemy import Engine, insert, select, text
 
 from proxy.db import Job, Turn, User
 from proxy.jobs import enqueue_stmt, notify_stmt
+from proxy.records import scrub_nul
 
 
 def add_user(db: Engine, *, opt_out: bool = False) -> int:
@@ -35,9 +36,11 @@ def turn_values(user_id: int, **overrides: Any) -> dict[str, Any]:
 
 
 def add_turn(db: Engine, user_id: int, *, job: bool = True, **overrides: Any) -> int:
-    """A continued turn and (by default) its judge job, in one transaction like the proxy."""
+    """A continued turn and (by default) its judge job, in one transaction like the proxy.
+    Text is scrubbed of NUL as the proxy does (a random model's reply can hold one)."""
     with db.begin() as conn:
-        turn_id = int(conn.execute(insert(Turn).values(**turn_values(user_id, **overrides))
+        values = scrub_nul(turn_values(user_id, **overrides))
+        turn_id = int(conn.execute(insert(Turn).values(**values)
                                    .returning(Turn.id)).scalar_one())
         if job:
             conn.execute(enqueue_stmt("judge", turn_id))

@@ -81,3 +81,16 @@ def test_worker_process_stops_gracefully_on_sigterm(db_url: str) -> None:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+
+
+def test_rejudge_without_a_database_refuses_and_creates_none(tmp_path: os.PathLike[str]) -> None:
+    """From a folder with no stack running and no database configured, `clawrl judge rejudge`
+    says where it looked in one line; no embedded database appears as a side effect."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CLAWRL_")}
+    env["CLAWRL_STATE_FILE"] = str(os.path.join(tmp_path, "no-stack.json"))
+    out = subprocess.run([sys.executable, "-m", "proxy.cli", "judge", "rejudge", "--since",
+                          "2026-01-01"], capture_output=True, text=True, timeout=120, env=env,
+                         cwd=tmp_path)
+    assert out.returncode == 1 and out.stderr.count("\n") == 1, out.stderr
+    assert "no running `clawrl up`" in out.stderr
+    assert os.listdir(tmp_path) == []

@@ -23,7 +23,7 @@ from proxy.db import create_async
 
 # The random test model rarely ends a reply by itself; common stop strings end it early so
 # the turn is not skipped as cut off by the length limit.
-STOP = [" ", "e", "a", "o", "t"]
+STOP = [" ", "e", "a", "o"]
 
 
 

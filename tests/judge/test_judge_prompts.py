@@ -1,4 +1,4 @@
-"""The judge prompt rendering, exactly as /work/notes/judge-format.md documents it
+"""The judge prompt rendering, exactly as docs/judge-format.md documents it
 (the tiny world corpus replicates it without importing judge/)."""
 
 from __future__ import annotations
@@ -81,3 +81,22 @@ def test_judge_prompt_is_one_user_message_and_versions_are_files() -> None:
         P.load_template("prm", "v999")
     with pytest.raises(ValueError):
         P.load_template("prm", "../x")
+
+
+def test_v3_asks_for_verdict_and_hint_in_one_prompt() -> None:
+    """v3 (the judge model's prompt) is one template: the next state, then the question."""
+    fields = P.render_fields(REQUEST, REPLY, NEXT, [P.FeedbackItem(-1, "too formal")])
+    assert P.is_combined("v3") and not P.is_combined("v1") and not P.is_combined("v2")
+    assert P.render_judge(fields, "v3") == (
+        "[NEXT]\nuser: too long. answer in lowercase please\n[FEEDBACK]\n"
+        "thumbs down: too formal\n"
+        "Verdict (1 accepted, -1 corrected, 0 unclear) and the change asked for, if any:")
+    P.check_version("v3")
+    assert P.is_combined("v4") and P.score_first("v4") and not P.score_first("v3")
+    assert P.render_judge(fields, "v4").endswith(
+        "Verdict first (1 accepted, -1 corrected, 0 unclear), then the change asked for, "
+        "if any:")
+    P.check_version("v4")
+    P.check_version("v1")
+    with pytest.raises(FileNotFoundError):
+        P.check_version("v999")

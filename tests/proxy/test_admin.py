@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -18,7 +19,10 @@ from proxy.auth import Authenticator
 from proxy.cli import main as clawrl
 from proxy.db import create_async, libpq_url
 from proxy.errors import Unauthorized
+from proxy.journal import Journal
+from proxy.records import TurnRecord
 from proxy.settings import load_settings
+from proxy.store import dead_letter_payload
 
 
 @pytest.fixture
@@ -91,6 +95,26 @@ def test_keys_create_list_revoke(cli_db: str, capsys: pytest.CaptureFixture[str]
         assert code == 1 and message in err and len(err.strip().splitlines()) == 1
 
 
+def test_keys_fair_share_limits(cli_db: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """--concurrent and --tpm set the key's fair-share limits (proxy/limits.py)."""
+    code, out, _ = run(["users", "create", "erin", "--concurrent", "3", "--tpm", "50000"],
+                       capsys)
+    assert code == 0
+    code, out, _ = run(["keys", "create", "--user", "erin", "--concurrent", "0"], capsys)
+    assert code == 0
+    rows = query_rows(cli_db, "SELECT max_concurrent, rate_limit_tpm FROM api_keys "
+                              "ORDER BY id")
+    assert rows == [(3, 50000), (0, None)]
+    code, out, _ = run(["keys", "list", "--user", "erin"], capsys)
+    assert "max_concurrent" in out and "rate_limit_tpm" in out and "50000" in out
+    for argv in (["keys", "create", "--user", "erin", "--concurrent", "-2"],
+                 ["keys", "create", "--user", "erin", "--tpm", str(2**40)],
+                 ["users", "create", "fay", "--tpm", "-1"]):
+        code, _, err = run(argv, capsys)
+        assert code == 1 and "must be between 0 and" in err and len(err.strip().splitlines()) == 1
+    assert query_rows(cli_db, "SELECT count(*) FROM users WHERE name = 'fay'") == [(0,)]
+
+
 def test_delete_user_cascades(cli_db: str, capsys: pytest.CaptureFixture[str]) -> None:
     run(["users", "create", "carol"], capsys)
     run(["users", "create", "dave"], capsys)
@@ -103,6 +127,39 @@ def test_delete_user_cascades(cli_db: str, capsys: pytest.CaptureFixture[str]) -
             count(cli_db, "api_keys")) == (1, 1, 1, 1)
     code, _, err = run(["users", "delete", "carol"], capsys)
     assert code == 1 and "No user named 'carol'" in err
+
+
+def test_delete_user_forgets_journal_and_dead_letters(
+        cli_db: str, capsys: pytest.CaptureFixture[str], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing of a deleted user stays behind: not their turns waiting in the journal, not
+    their dead letters (records the database had refused)."""
+    monkeypatch.setenv("CLAWRL_STATE_DIR", str(tmp_path))
+    run(["users", "create", "carol"], capsys)
+    run(["users", "create", "dave"], capsys)
+    ids = {name: uid for uid, name in query_rows(cli_db, "SELECT id, name FROM users")}
+    records = {name: TurnRecord(uid=str(uuid.uuid4()), user_id=ids[name], api_key_id=None,
+                                request_messages=[{"role": "user", "content": f"{name} said"}],
+                                params={}) for name in ("carol", "dave")}
+    journal = Journal(tmp_path / "journal")
+    journal.append([records["carol"], records["dave"], records["carol"]])
+    with psycopg.connect(libpq_url(cli_db), autocommit=True) as conn:
+        for record in records.values():
+            conn.execute("INSERT INTO dead_letters (kind, payload, error) VALUES "
+                         "('turn', %s, 'refused')", [dead_letter_payload(record)])
+    code, out, _ = run(["users", "delete", "carol"], capsys)
+    assert code == 0 and "1 dead_letters, 2 journaled_turns" in out
+    journal.seal()
+    left = [r for s in journal.segments() for r in journal.read(s)]
+    assert [r.user_id for r in left if isinstance(r, TurnRecord)] == [ids["dave"]]
+    assert b"carol said" not in b"".join(s.read_bytes() for s in journal.segments())
+    payloads = [p for (p,) in query_rows(cli_db, "SELECT payload FROM dead_letters")]
+    assert len(payloads) == 1 and "dave said" in payloads[0]
+
+
+def query_rows(url: str, sql: str) -> list[Any]:
+    with psycopg.connect(libpq_url(url)) as conn:
+        return conn.execute(sql.encode()).fetchall()
 
 
 def test_opt_out_and_in(cli_db: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -230,14 +287,19 @@ async def test_admin_api_users_and_keys(db: AsyncEngine) -> None:
         assert r.status_code == 409 and r.json()["error"]["code"] == "user_exists"
         r = await c.post("/admin/users", json={"nom": "x"})
         assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
-        r = await c.post("/admin/keys", json={"user": "hal", "rate_limit_rpm": 9})
+        r = await c.post("/admin/keys", json={"user": "hal", "rate_limit_rpm": 9,
+                                              "max_concurrent": 2, "rate_limit_tpm": 900})
         assert r.status_code == 201
+        assert (r.json()["max_concurrent"], r.json()["rate_limit_tpm"]) == (2, 900)
         secret, prefix = r.json()["key"], r.json()["prefix"]
         listed = (await c.get("/admin/keys", params={"user": "hal"})).json()["data"]
         assert [k["prefix"] for k in listed] == [prefix] and secret not in str(listed)
         principal = await app.state.authenticator.authenticate(
             {"authorization": f"Bearer {secret}"})
-        assert principal.rate_limit_rpm == 9
+        assert (principal.rate_limit_rpm, principal.max_concurrent,
+                principal.rate_limit_tpm) == (9, 2, 900)
+        r = await c.post("/admin/keys", json={"user": "hal", "max_concurrent": -1})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_concurrent"
         r = await c.patch("/admin/users/hal", json={"train_opt_out": True})
         assert r.json()["train_opt_out"] is True and r.json()["log_opt_out"] is False
         # The opt-out is visible at once: the admin API drops the principal cache.
@@ -251,7 +313,7 @@ async def test_admin_api_users_and_keys(db: AsyncEngine) -> None:
         assert (await c.post("/admin/keys/nope/revoke")).status_code == 404
         r = await c.delete("/admin/users/hal")
         assert r.json() == {"name": "hal", "deleted": True, "turns": 0, "judgments": 0,
-                            "samples": 0}
+                            "samples": 0, "dead_letters": 0}
         assert (await c.get("/admin/users")).json()["data"] == []
         assert (await c.patch("/admin/users/hal", json={})).status_code == 400
 

@@ -54,7 +54,7 @@ async def test_outage_journal_and_replay(proxy_factory: ProxyFactory, db_url: st
                 messages=[{"role": "user", "content": "other"}], stream=True, **ask))
             async for _ in served[1].parse():
                 pass
-            await proxy.settle()
+            await proxy.settle(stored=False)
             assert writer.journal.pending == 2
             assert query(db_url, "SELECT count(*) FROM turns") == [(1,)]
             async with httpx.AsyncClient(base_url=proxy.url) as http:
@@ -72,12 +72,12 @@ async def test_outage_journal_and_replay(proxy_factory: ProxyFactory, db_url: st
     # Session inference ran on replay: the second turn continued the first.
     assert rows[0][2] == "continued" and rows[0][3] == [{"role": "user", "content": "go on"}]
     assert query(db_url, "SELECT count(*) FROM jobs WHERE kind = 'judge'") == [(1,)]
-    assert not writer.journal.path.read_bytes().strip()
+    assert not writer.journal.has_data() and writer.journal.segments() == []
 
 
 async def test_replay_is_idempotent(proxy_factory: ProxyFactory, db_url: str,
                                     engine_url: str, tmp_path: Path) -> None:
-    """A journal left by a proxy that died between storing turns and truncating the file
+    """A journal left by a proxy that died between storing turns and removing the segment
     is replayed at the next start: nothing is stored twice, the missing turns are stored."""
     proxy = await proxy_factory(engine_url)
     user_id, key = create_user(db_url, "bob")
@@ -92,10 +92,10 @@ async def test_replay_is_idempotent(proxy_factory: ProxyFactory, db_url: str,
     new = TurnRecord(uid="00000000-0000-4000-8000-000000000001", user_id=user_id,
                      api_key_id=None, request_messages=[{"role": "user", "content": "yo"}],
                      params={}, response_message={"role": "assistant", "content": "y"})
-    journal = Journal(tmp_path / "left-over.jsonl")
+    journal = Journal(tmp_path / "left-over")
     journal.append([again, new, new])
     restarted = await proxy_factory(engine_url, journal_path=journal.path)
     await wait_for(lambda: restarted.app.state.writer.journal.pending == 0)
     rows = query(db_url, "SELECT uid::text FROM turns ORDER BY id")
     assert [r[0] for r in rows] == [stored_uid, new.uid]
-    assert not journal.path.read_bytes().strip()
+    assert not journal.has_data()

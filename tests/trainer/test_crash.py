@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
-from sqlalchemy import select
+from sqlalchemy import select, text
 from sqlalchemy.engine import Engine
 
 from proxy.db import PolicyVersion, Sample, TrainingStep
@@ -93,9 +93,18 @@ def test_kill_minus_nine_anywhere_loses_nothing_and_trains_nothing_twice(
 
     # A last, undisturbed run finishes the job; then stop it the polite way.
     proc = start_trainer(tmp_path, db_url, url, tiny_model_dir, log)
+
+    def newest_status() -> str | None:
+        with db.connect() as conn:
+            return conn.execute(text("SELECT status FROM policy_versions "
+                                     "ORDER BY version DESC LIMIT 1")).scalar()
+
     try:
         wait_for(lambda: all(v is not None for v in trained_counts(db)[0].values()), 180,
                  "every sample to be trained or skipped")
+        # The last step's version is saved before it is published: wait for the publish
+        # (on a busy machine it can lag the step's commit by seconds).
+        wait_for(lambda: newest_status() == "published", 120, "the newest version published")
     finally:
         proc.terminate()
         proc.wait(timeout=60)

@@ -17,8 +17,8 @@ import torch
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from trainer import tinyworld
 from trainer.engine.chat import parse_tool_calls
+from trainer.world import model as tinyworld
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "weather for a city",

@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from trainer import tinyworld
+from trainer.world import model as tinyworld
 
 
 async def _stream(client: httpx.AsyncClient, body: dict[str, Any],
@@ -166,6 +166,11 @@ BAD_REQUESTS: list[tuple[str, Any, str]] = [
     ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": "",
                                             "tool_calls": [{"function": {
                                                 "name": "f", "arguments": "{oops"}}]}]},
+     "valid JSON"),
+    # 3,000 nested brackets: a 400, not a RecursionError and a 500
+    ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": "",
+                                            "tool_calls": [{"function": {
+                                                "name": "f", "arguments": "[" * 3000}}]}]},
      "valid JSON"),
     ("/generate", {"sampling_params": {}}, "Either text or input_ids"),
     ("/generate", {"text": "x", "input_ids": [1]}, "Either text or input_ids"),

@@ -51,3 +51,38 @@ def test_sampling_filters() -> None:
     # top_p keeps the smallest prefix reaching the mass: here only the top token.
     assert {_sample(logits, SamplingParams(top_p=0.1), gen) for _ in range(20)} == {1}
     assert {_sample(logits, SamplingParams(top_k=2), gen) for _ in range(50)} <= {1, 3}
+
+
+
+def test_a_request_hears_it_finished_only_once_out_of_the_running_batch(
+        tiny_model_dir: Any) -> None:
+    """A weight update waits for the last request's reader, then requires no KV cache left:
+    so when a request learns it finished, the scheduler must already have dropped its rows
+    (CI once saw 9 of 12 finished streams still 'running' at the swap)."""
+    from trainer.engine.runtime import load_model
+
+    model = load_model(tiny_model_dir, device="cpu", dtype=torch.float32)
+    scheduler = Scheduler(model, eos_ids=set(), decode=lambda ids: "", weight_version="v0")
+    still_running: list[bool] = []
+    all_done = threading.Event()
+
+    def heard(seq: Sequence) -> None:
+        if seq.finish is not None:
+            still_running.append(any(s is seq for s in scheduler._running))
+            if len(still_running) == 4:
+                all_done.set()
+
+    scheduler.start()
+    try:
+        seqs = [Sequence(rid=str(i), input_ids=[1, 2, 3 + i],
+                         params=SamplingParams(max_new_tokens=6 + i % 2, ignore_eos=True))
+                for i in range(4)]
+        for seq in seqs:
+            seq.notify = lambda seq=seq: heard(seq)
+            scheduler.submit(seq)
+        assert all_done.wait(timeout=60)
+    finally:
+        scheduler.stop()
+    assert [len(s.output_ids) for s in seqs] == [6, 7, 6, 7]
+    assert still_running == [False] * 4
+    assert scheduler.in_flight() == (0, 0)

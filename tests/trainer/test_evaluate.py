@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +19,10 @@ import openai
 import pytest
 from openai import AsyncOpenAI
 
-from trainer import evaluate
-from trainer.simulate import SimUser
-from trainer.world import CORRECTIONS, FRESH_CORRECTIONS, World
+from trainer.eval import cli, report
+from trainer.eval import config as evalconfig
+from trainer.world.simulate import PeoplePhrasings, SimUser, phrasings
+from trainer.world.town import CORRECTIONS, FRESH_CORRECTIONS, World
 
 
 class ScriptedAssistant:
@@ -77,6 +79,39 @@ async def test_violation_gets_a_correction_and_the_session_closes_with_a_next_st
     assert [e["satisfied"] for e in user.log] == [False, True, True]
     assert [e["correct"] for e in user.log] == [True, True, True]
     await user.client.close()
+
+
+async def test_people_followups_come_from_the_pool_written_apart() -> None:
+    """`--followups people`: every correction, praise and move-on the user sends is a line of
+    trainer/world/data/sim_followups.jsonl (placeholders filled), never a corpus phrasing."""
+    world = World.build(0)
+    pool = PeoplePhrasings()
+    templates = [re.escape(t).replace(re.escape("{fact}"), ".+").replace(
+        re.escape("{question}"), ".+") for t in pool.praises + pool.move_ons + pool.facts
+        + [x for xs in pool.styles.values() for x in xs]]
+    sent: list[str] = []
+    for seed in range(12):
+        # wrong, then a violating redo: a fact correction then a style correction; then the
+        # second question after a satisfying reply; then praise at the end
+        script = ScriptedAssistant(["It is {wrong}.", "It is {value}.", "it is {value}."]
+                                   + ["it is {value}."] * 5, world)
+        user = _user(script, "lowercase")
+        user.says = pool
+        await user.chat_session(world, questions=2, max_redos=2, rng=random.Random(seed))
+        sent += [m["content"] for m in script.requests[-1][1]["messages"]
+                 if m["role"] == "user"][1:]  # the first is a question
+        await user.client.close()
+    questions = {q.text for q in world.train}
+    for text in sent:
+        assert text in questions or any(re.fullmatch(t, text, re.S) for t in templates), text
+        assert text not in CORRECTIONS["lowercase"] + FRESH_CORRECTIONS["lowercase"]
+    assert any(t in pool.styles["lowercase"] for t in sent)
+    assert any(t in pool.praises for t in sent)
+    assert any(any(re.fullmatch(re.escape(m).replace(re.escape("{fact}"), ".+"), t)
+                   for m in pool.facts) for t in sent)
+    assert any(t not in questions and any(t.endswith(q) for q in questions) for t in sent)
+    # every preference the eval can ask for has corrections in the pool
+    assert {"lowercase", "brief", "no_lists", "no_signoff"} <= set(pool.styles)
 
 
 async def test_a_wrong_answer_is_corrected_with_the_true_fact_before_any_style() -> None:
@@ -147,11 +182,11 @@ def _rows() -> list[dict[str, Any]]:
 
 
 def test_table_and_curve(tmp_path: Path) -> None:
-    table = evaluate.print_table(_rows())
+    table = report.print_table(_rows())
     lines = table.splitlines()
     assert len(lines) == 4 and "combine/lowercase" in lines[0] and "none/brief" in lines[0]
     assert lines[3].startswith("2") and "0.70 (v2, acc 0.90)" in lines[3]
-    evaluate.plot_curve(_rows(), tmp_path / "curve.png")
+    report.plot_curve(_rows(), tmp_path / "curve.png")
     assert (tmp_path / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -173,7 +208,7 @@ def test_targets_per_method_and_seed() -> None:
                          [0.98, 0.98, 0.98, 0.98])
             + _seed_rows(0, {"lowercase": [0.4, 0.45, 0.35, 0.4], "brief": [0.1, 0.1, 0.2, 0.1]},
                          [0.98] * 4, method="none"))
-    got = {(t["method"], t["seed"]): t for t in evaluate.targets(rows)}
+    got = {(t["method"], t["seed"]): t for t in report.targets(rows)}
     assert got["combine", 0]["reached"] == {"lowercase": 2, "brief": 3}
     assert got["combine", 0]["worst_accuracy_drop"] == pytest.approx(0.04)
     assert got["combine", 0]["met"]
@@ -184,7 +219,7 @@ def test_targets_per_method_and_seed() -> None:
     assert got["combine", 2]["reached"] == {"lowercase": 1, "brief": None}
     assert not got["combine", 2]["met"]
     assert got["none", 0]["spread"] == pytest.approx(0.1)
-    text = evaluate.print_targets(evaluate.targets(rows))
+    text = report.print_targets(report.targets(rows))
     assert "brief 0.10->0.92 (>= 0.9 at round 3)" in text and "(not reached)" in text
     assert text.count("MET") == 1 and text.count("not met") == 2
 
@@ -194,10 +229,10 @@ def test_several_seeds_table_shows_the_mean_and_curve_the_band(tmp_path: Path) -
             + _seed_rows(1, {"lowercase": [0.2, 0.6]}, [1.0, 0.8]))
     for r in rows[2:]:
         r["version"] = "9" if r["round"] else "0"  # seed 1 served another version at round 1
-    lines = evaluate.print_table(rows).splitlines()
+    lines = report.print_table(rows).splitlines()
     assert lines[0] == "mean over seeds 0,1"
     assert "0.30 (v0, acc 1.00)" in lines[2] and "0.70 (v*, acc 0.85)" in lines[3]
-    evaluate.plot_curve(rows, tmp_path / "curve.png")
+    report.plot_curve(rows, tmp_path / "curve.png")
     assert (tmp_path / "curve.png").stat().st_size > 1000
 
 
@@ -212,23 +247,23 @@ def test_several_seeds_table_shows_the_mean_and_curve_the_band(tmp_path: Path) -
 ])
 def test_bad_arguments_are_one_clear_line(argv: list[str], message: str,
                                           capsys: pytest.CaptureFixture[str]) -> None:
-    assert evaluate.main(argv) == 2
+    assert cli.main(argv) == 2
     assert message in capsys.readouterr().err
 
 
 def test_defaults_and_the_small_run() -> None:
-    full = evaluate.parse_args([])
-    assert (full.batch_size, full.rounds, full.methods, full.seeds) == (64, 8, evaluate.METHODS, (0,))
+    full = cli.parse_args([])
+    assert (full.batch_size, full.rounds, full.methods, full.seeds) == (64, 8, evalconfig.METHODS, (0,))
     assert not full.keep_db
-    small = evaluate.parse_args(["--small", "--seeds", "3,4", "--keep-db"])
+    small = cli.parse_args(["--small", "--seeds", "3,4", "--keep-db"])
     assert (small.batch_size, small.rounds, small.methods) == (32, 4, ("combine", "none"))
     assert small.seeds == (3, 4) and small.seed == 3 and small.keep_db
     assert small.model.name == "tinyworld-ci"
 
 
 def test_every_method_gets_the_same_trainer_settings_but_the_method() -> None:
-    config = evaluate.EvalConfig(model=Path("m"), out=Path("o"))
-    envs = [evaluate.stack_env(config, m) for m in ("rl", "opd", "combine")]
+    config = evalconfig.EvalConfig(model=Path("m"), out=Path("o"))
+    envs = [evalconfig.stack_env(config, m) for m in ("rl", "opd", "combine")]
     assert [e.pop("CLAWRL_TRAINER__METHOD") for e in envs] == ["rl", "opd", "combine"]
     assert envs[0] == envs[1] == envs[2]
 
@@ -237,7 +272,7 @@ def test_every_method_gets_the_same_trainer_settings_but_the_method() -> None:
 def world_model_dir() -> Path:
     """The full tiny world model, cached at .clawrl/models/tinyworld (the `clawrl up` and
     `clawrl eval` default); built once (~10 min on 2 idle cores) when missing."""
-    from trainer.pretrain import FULL, build, is_built
+    from trainer.world.pretrain import FULL, build, is_built
 
     path = Path(__file__).resolve().parents[2] / ".clawrl" / "models" / "tinyworld"
     if not is_built(path, FULL):
@@ -250,7 +285,7 @@ def _eval_rows(argv: list[str], out: Path, monkeypatch: pytest.MonkeyPatch) -> l
     server = os.environ.get("CLAWRL_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
     monkeypatch.setenv("CLAWRL_DATABASE__URL",
                        server.replace("postgresql://", "postgresql+psycopg://", 1))
-    assert evaluate.main([*argv, "--out", str(out)]) == 0
+    assert cli.main([*argv, "--out", str(out)]) == 0
     assert (out / "curve.png").is_file() and (out / "table.txt").is_file()
     rows: list[dict[str, Any]] = json.loads((out / "results.json").read_text())["probes"]
     return rows
@@ -261,20 +296,20 @@ def test_small_eval_learns_above_no_training_through_the_real_stack(
     """`clawrl eval --small`: the CI-sized model behind the real proxy, judge, trainer and
     engine; a lowercase-loving user; `combine` against `none` on the same seeds, 4 versions.
 
-    Measured while writing this (README, "See it learn"): combine 0.38 -> 0.84 while none
+    Measured while writing this (docs/eval.md): combine 0.38 -> 0.84 while none
     stays at 0.28-0.31; the bar below is half that gap.
     """
     out = tmp_path / "eval"
     rows = _eval_rows(["--small", "--model", str(ci_world_dir), "--keep-db"], out, monkeypatch)
-    last = {r["method"]: r for r in rows if r["round"] == evaluate.SMALL_ROUNDS}
-    assert last["combine"]["version"] == str(evaluate.SMALL_ROUNDS)
+    last = {r["method"]: r for r in rows if r["round"] == evalconfig.SMALL_ROUNDS}
+    assert last["combine"]["version"] == str(evalconfig.SMALL_ROUNDS)
     assert last["none"]["version"] == "0"
     assert last["combine"]["pref"] == "lowercase"
     assert last["combine"]["satisfied"] >= last["none"]["satisfied"] + 0.25, rows
     # --keep-db: each method's database stays for SQL: the run's turns, votes and versions.
     import psycopg
 
-    from trainer.evalstack import drop_database
+    from trainer.eval.stack import drop_database
 
     urls = {m: (out / m / "database.txt").read_text().strip() for m in ("combine", "none")}
     try:
@@ -283,7 +318,7 @@ def test_small_eval_learns_above_no_training_through_the_real_stack(
                 "SELECT (SELECT count(*) FROM judgments WHERE reward IS NOT NULL),"
                 " (SELECT count(*) FROM policy_versions WHERE published_at IS NOT NULL)"
             ).fetchone()
-        assert row is not None and row[0] >= 32 and row[1] == evaluate.SMALL_ROUNDS, row
+        assert row is not None and row[0] >= 32 and row[1] == evalconfig.SMALL_ROUNDS, row
     finally:
         for url in urls.values():
             server, name = url.rsplit("/", 1)
@@ -306,7 +341,7 @@ def test_a_failed_request_mid_run_is_one_line_and_keeps_the_rounds_done(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """A request the proxy refuses (here a 429) ends the run with one readable line; the
     rounds already probed are written, not lost."""
-    from trainer import evalstack
+    from trainer.eval import stack as evalstack
 
     def one_round_then_refused(config: Any, method: str, on_round: Any) -> None:
         on_round(method, 0, _seed_rows(config.seed, {"lowercase": [0.4]}, [1.0], method))
@@ -315,10 +350,28 @@ def test_a_failed_request_mid_run_is_one_line_and_keeps_the_rounds_done(
                                     response=httpx.Response(429, request=request))
 
     monkeypatch.setattr(evalstack, "run_method", one_round_then_refused)
-    config = evaluate.EvalConfig(model=tmp_path / "m", out=tmp_path / "out",
+    config = evalconfig.EvalConfig(model=tmp_path / "m", out=tmp_path / "out",
                                  methods=("combine",), seeds=(3,))
-    assert evaluate.run_eval(config) == 1
+    assert cli.run_eval(config) == 1
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("clawrl eval: a simulated user's request failed: Rate limit reached")
     saved = json.loads((tmp_path / "out" / "results.json").read_text())
     assert [(r["method"], r["seed"], r["round"]) for r in saved["probes"]] == [("combine", 3, 0)]
+
+
+async def test_the_issue_user_says_exactly_its_two_sentences() -> None:
+    """`--followups issue`: "please answer in lowercase only, no capital letters." to a reply
+    in capitals, "thanks, perfect." (then the next question) to a lowercase one."""
+    world = World.build(0)
+    script = ScriptedAssistant(["It is {value}.", "it is {value}.", "it is {value}."], world)
+    user = _user(script, "lowercase")
+    user.says = phrasings("issue")
+    await user.chat_session(world, questions=2, max_redos=1, rng=random.Random(0))
+    sent = [m["content"] for m in script.requests[-1][1]["messages"] if m["role"] == "user"]
+    assert sent[1] == "please answer in lowercase only, no capital letters."
+    assert sent[2].startswith("thanks, perfect. ") and sent[2].removeprefix(
+        "thanks, perfect. ") in {q.text for q in world.train}
+    assert sent[3] == "thanks, perfect."
+    with pytest.raises(ValueError, match="only asks for lowercase"):
+        phrasings("issue").correction("brief", random.Random(0))
+    await user.client.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -15,9 +16,9 @@ torch = pytest.importorskip("torch")
 from tokenizers import Tokenizer  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
-from trainer import pretrain  # noqa: E402
-from trainer.corpus import iter_examples, render_chatml  # noqa: E402
-from trainer.world import World  # noqa: E402
+from trainer.world import pretrain  # noqa: E402
+from trainer.world.corpus import iter_examples, render_chatml  # noqa: E402
+from trainer.world.town import World  # noqa: E402
 
 
 def test_small_build_is_a_loadable_model_dir(small_world_dir: Path) -> None:
@@ -111,3 +112,42 @@ def test_training_is_reproducible_from_a_seed() -> None:
     a, b, c = (m.state_dict() for m in (first, second, other))
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert not all(torch.equal(a[k], c[k]) for k in a)
+
+
+def test_a_shipped_build_is_copied_not_retrained(small_world_dir: Path, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A first `clawrl up` copies the build the package ships for the same key (seconds);
+    `--force` pretrains anyway."""
+    shipped = tmp_path / "prebuilt"
+    shutil.copytree(small_world_dir, shipped / "tinyworld-small")
+    monkeypatch.setattr(pretrain, "PREBUILT_DIR", shipped)
+    lines: list[str] = []
+    out = pretrain.build(tmp_path / "model", pretrain.SMALL, log=lines.append)
+    assert pretrain.is_built(out, pretrain.SMALL)
+    assert any("copied the shipped build tinyworld-small" in line for line in lines), lines
+    assert (out / "model.safetensors").read_bytes() == \
+        (small_world_dir / "model.safetensors").read_bytes()
+    # another config has no shipped build: it is not copied
+    assert pretrain.prebuilt(replace(pretrain.SMALL, steps=3)) is None
+    # --force pretrains even when a shipped build matches
+    lines.clear()
+    monkeypatch.setattr(pretrain, "train_model", _refuse_training)
+    with pytest.raises(RuntimeError, match="pretraining started"):
+        pretrain.build(tmp_path / "forced", pretrain.SMALL, log=lines.append,
+                       use_prebuilt=False)
+
+
+def _refuse_training(*args: object, **kwargs: object) -> None:
+    raise RuntimeError("pretraining started")
+
+
+def test_the_shipped_builds_match_the_current_corpus() -> None:
+    """The package ships the full and CI-sized builds for the corpus as it is now: a change
+    to the corpus or build config (a new key) must come with a rebuilt prebuilt folder, or a
+    fresh clone's first `make up` would pretrain for minutes again."""
+    for config in (pretrain.FULL, pretrain.CI):
+        shipped = pretrain.prebuilt(config)
+        assert shipped is not None, (
+            f"no shipped build for key {pretrain.build_key(config)}; run `clawrl tinyworld "
+            f"build trainer/world/prebuilt/<name> --force` and commit it")
+        assert (shipped / "model.safetensors").stat().st_size < 8_000_000

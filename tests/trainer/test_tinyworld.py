@@ -11,7 +11,7 @@ import pytest
 from tokenizers import Tokenizer
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from trainer import tinyworld
+from trainer.world import model as tinyworld
 
 TEXTS = [
     "Hello world",
@@ -115,9 +115,9 @@ def test_model_config_rejects_unknown_size() -> None:
 
 
 def test_cli_errors_are_one_line() -> None:
-    out = subprocess.run([sys.executable, "-m", "trainer.tinyworld", "frobnicate"],
+    out = subprocess.run([sys.executable, "-m", "trainer.world", "frobnicate"],
                          capture_output=True, text=True)
     assert out.returncode == 2 and "unknown subcommand" in out.stderr
-    out = subprocess.run([sys.executable, "-m", "trainer.tinyworld", "init", "/proc/nope/x"],
+    out = subprocess.run([sys.executable, "-m", "trainer.world", "init", "/proc/nope/x"],
                          capture_output=True, text=True)
     assert out.returncode == 1 and out.stderr.count("\n") == 1

@@ -9,8 +9,9 @@ import random
 import pytest
 
 from judge import prompts
-from trainer import corpus
-from trainer.world import (
+from trainer.world import corpus
+from trainer.world.report import parse_box, parse_hint
+from trainer.world.town import (
     CASES,
     CORRECTIONS,
     EVAL_PREFERENCES,
@@ -31,7 +32,6 @@ from trainer.world import (
     satisfies,
     wrong_world,
 )
-from trainer.world_report import parse_box, parse_hint
 
 
 def _corpus(seed: int, n: int) -> list[tuple[str, list[corpus.Message]]]:

@@ -88,7 +88,8 @@ def signal_mask(cfg: TrainerSettings, batch: Batch) -> Tensor:
     _, has_signal = compute_advantages(
         method=cfg.method, w_rl=cfg.w_rl, w_opd=cfg.w_opd, reward=batch.reward,
         has_reward=batch.has_reward, teacher_logp=batch.teacher_logp,
-        has_teacher=batch.has_teacher, rollout_logp=batch.rollout_logp)
+        has_teacher=batch.has_teacher, rollout_logp=batch.rollout_logp,
+        outcome=batch.outcome, has_outcome=batch.has_outcome, w_outcome=cfg.outcome_weight)
     return batch.loss_mask * has_signal.unsqueeze(-1).to(batch.loss_mask.dtype)
 
 
@@ -108,7 +109,8 @@ def micro_batch_loss(
     advantages, has_signal = compute_advantages(
         method=cfg.method, w_rl=cfg.w_rl, w_opd=cfg.w_opd, reward=micro.reward,
         has_reward=micro.has_reward, teacher_logp=micro.teacher_logp,
-        has_teacher=micro.has_teacher, rollout_logp=micro.rollout_logp)
+        has_teacher=micro.has_teacher, rollout_logp=micro.rollout_logp,
+        outcome=micro.outcome, has_outcome=micro.has_outcome, w_outcome=cfg.outcome_weight)
     mask = micro.loss_mask * has_signal.unsqueeze(-1).to(micro.loss_mask.dtype)
     return policy_loss(
         logp_new=logp_new, rollout_logp=micro.rollout_logp, advantages=advantages, mask=mask,

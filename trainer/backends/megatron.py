@@ -191,6 +191,12 @@ class MegatronBackend:
     def export(self, out_dir: Path) -> None:
         self._call("export", Path(out_dir))
 
+    def logits(self, input_ids: Tensor) -> Tensor:
+        """Full-vocabulary logits `[B, L, V]` of `input_ids` (pp 1), on every rank: what
+        `megatron_run check --parity` compares with Hugging Face transformers."""
+        result: Tensor = self._call("logits", input_ids)
+        return result
+
     def save_state(self, state_dir: Path) -> None:
         self._call("save_state", Path(state_dir))
 
@@ -315,6 +321,17 @@ class MegatronBackend:
         if self.pp > 1:
             dist.all_reduce(full, group=ps.get_pipeline_model_parallel_group())
         return full.cpu()
+
+    @torch.no_grad()
+    def _logits(self, input_ids: Tensor) -> Tensor:
+        from megatron.core import tensor_parallel
+
+        self.model.eval()
+        ids = input_ids.to(self.device)
+        pos = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
+        local = self.model.module(ids, pos, None)  # [B, L, V/tp]: split over the vocabulary
+        full: Tensor = tensor_parallel.gather_from_tensor_model_parallel_region(local)
+        return full.float().cpu()
 
     # -- the step ----------------------------------------------------------------------------
     def _train_loss(

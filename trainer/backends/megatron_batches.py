@@ -42,6 +42,8 @@ def _pad(micro: Batch, rows: int, length: int) -> Batch:
         reward=grow(micro.reward, 0),
         has_reward=grow(micro.has_reward, 0),
         has_teacher=grow(micro.has_teacher, 0),
+        outcome=grow(micro.outcome, 0),
+        has_outcome=grow(micro.has_outcome, 0),
         staleness=list(micro.staleness) + [0] * extra_rows,
     )
 
@@ -69,7 +71,8 @@ def replica_micro_batches(
         dummy = _take(batch, 0, 1)
         micros = [replace(dummy, loss_mask=torch.zeros_like(dummy.loss_mask),
                           has_reward=torch.zeros_like(dummy.has_reward),
-                          has_teacher=torch.zeros_like(dummy.has_teacher))]
+                          has_teacher=torch.zeros_like(dummy.has_teacher),
+                          has_outcome=torch.zeros_like(dummy.has_outcome))]
     if fixed_shape:
         micros = [_pad(m, micro_size, batch.input_ids.shape[1]) for m in micros]
     return micros

@@ -11,7 +11,11 @@ the figures as JSON on rank 0:
 
     torchrun --nproc-per-node 2 -m trainer.backends.megatron_run check --model DIR \\
         --tp 2 --out result.json [--batch batch.pt] [--steps 1] [--export DIR] \\
-        [--save-state DIR] [--load-state DIR --reference BASE_DIR]
+        [--save-state DIR] [--load-state DIR --reference BASE_DIR] [--parity]
+
+`--parity` (pp 1) first compares the full-vocabulary logits of the batch with Hugging Face
+transformers' on the same weights (rank 0, same device) and adds `logits_max_abs_diff`,
+`logits_max_abs` and `argmax_agree` (over the batch's real tokens) to the JSON.
 
 `--batch` is a `torch.save`d `{"batch": Batch, "settings": dict}`; without it a
 deterministic synthetic batch is used.
@@ -63,7 +67,30 @@ def _check_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--export", type=Path, help="export HF weights here after the steps")
     ap.add_argument("--save-state", type=Path, help="save the distributed checkpoint here")
     ap.add_argument("--load-state", type=Path, help="resume from this distributed checkpoint")
-    return ap.parse_args(argv)
+    ap.add_argument("--parity", action="store_true",
+                    help="compare the logits with Hugging Face transformers' first (pp 1)")
+    args = ap.parse_args(argv)
+    if args.parity and args.pp != 1:  # every rank parses: all of them stop here
+        ap.error("--parity needs --pp 1 (a pipeline stage holds only its own layers)")
+    return args
+
+
+def hf_parity(backend: Any, model_dir: Path, batch: Batch) -> dict[str, float]:
+    """Megatron's logits against Hugging Face transformers' on the batch's real tokens
+    (attention mask), both in float32 on the backend's device."""
+    from transformers import AutoModelForCausalLM
+
+    ours = backend.logits(batch.input_ids)
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    hf = hf.to(backend.device).eval()
+    with torch.no_grad():
+        theirs = hf(input_ids=batch.input_ids.to(backend.device),
+                    attention_mask=batch.attention_mask.to(backend.device)).logits.float().cpu()
+    del hf
+    real = batch.attention_mask.bool()
+    return {"logits_max_abs_diff": float((ours - theirs)[real].abs().max()),
+            "logits_max_abs": float(theirs[real].abs().max()),
+            "argmax_agree": float((ours.argmax(-1) == theirs.argmax(-1))[real].float().mean())}
 
 
 def check_main(argv: list[str]) -> int:
@@ -92,6 +119,10 @@ def check_main(argv: list[str]) -> int:
         started = time.perf_counter()
         backend.load(args.model, args.reference)
         result["load_s"] = time.perf_counter() - started
+        if args.parity:
+            started = time.perf_counter()
+            result.update(hf_parity(backend, args.model, batch))
+            result["parity_s"] = time.perf_counter() - started
         if args.load_state:
             backend.load_state(args.load_state)
         result["logprobs"] = backend.compute_logprobs(batch).tolist()

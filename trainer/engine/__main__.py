@@ -2,6 +2,6 @@
 
 import sys
 
-from trainer.engine import main
+from trainer.engine.server import main
 
 sys.exit(main(sys.argv[1:]))

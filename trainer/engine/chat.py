@@ -74,7 +74,7 @@ def _normalise_call(i: int, call: Any) -> dict[str, Any]:
     if isinstance(args, str):
         try:
             args = json.loads(args) if args.strip() else {}
-        except json.JSONDecodeError as exc:
+        except (json.JSONDecodeError, RecursionError) as exc:  # RecursionError: deep nesting
             raise EngineError("Assistant tool call function.arguments must be valid JSON.") from exc
     if not isinstance(args, dict):
         raise EngineError("Assistant tool call function.arguments must be a JSON object.")
@@ -217,7 +217,8 @@ def prepare(engine: Engine, req: ChatCompletionRequest, rid: str | None) -> Sequ
     check_sampling(params)
     check_context(engine, len(ids), params.max_new_tokens)
     return Sequence(rid=rid or f"chatcmpl-{uuid.uuid4().hex}", input_ids=ids, params=params,
-                    return_logprob=req.logprobs, top_logprobs_num=req.top_logprobs or 0)
+                    return_logprob=req.logprobs, top_logprobs_num=req.top_logprobs or 0,
+                    lora_name=req.lora_name(engine.served_model_name))
 
 
 async def complete(engine: Engine, req: ChatCompletionRequest, seq: Sequence,
@@ -302,8 +303,8 @@ async def stream(engine: Engine, req: ChatCompletionRequest, seq: Sequence,
     yield chunk([{"index": 0, "delta": {}, "logprobs": None, "finish_reason": reason,
                   "matched_stop": matched}])
     ext = _sglext(req, seq.input_ids, seq)
-    if ext:
-        yield chunk([], sglext=ext)
+    if ext:  # SGLang's ChatCompletionStreamResponse writes its unset usage as null here
+        yield chunk([], usage=None, sglext=ext)
     if (req.stream_options or {}).get("include_usage"):
         yield chunk([], usage=_usage(len(seq.input_ids), seq))
     yield "data: [DONE]\n\n"

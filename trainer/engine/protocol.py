@@ -149,6 +149,27 @@ class GenerateRequest(BaseModel):
     return_text_in_logprobs: bool = False
     stream: bool = False
     rid: str | None = None
+    lora_path: str | list[str | None] | None = None  # adapter name(s), one per prompt
+
+    def lora_names(self, n: int) -> list[str | None]:
+        """The adapter name for each of the `n` prompts (SGLang `_normalize_lora_paths`)."""
+        if self.lora_path is None or isinstance(self.lora_path, str):
+            return [self.lora_path or None] * n
+        if len(self.lora_path) != n:
+            raise EngineError(f"lora_path list length ({len(self.lora_path)}) must match "
+                              f"batch size ({n})")
+        return [name or None for name in self.lora_path]
+
+
+def lora_from_model(model: str, served_model_name: str) -> str | None:
+    """The adapter in a `model: "base:adapter"` field (SGLang `_parse_model_parameter`)."""
+    if ":" not in model or model == served_model_name:
+        return None
+    if model.startswith(f"{served_model_name}:"):
+        adapter = model[len(served_model_name) + 1:]
+    else:
+        adapter = model.split(":", 1)[1]
+    return adapter.strip() or None
 
 
 class ChatCompletionRequest(BaseModel):
@@ -193,6 +214,11 @@ class ChatCompletionRequest(BaseModel):
     user: str | None = None
     parallel_tool_calls: bool = True
     reasoning_effort: Literal["low", "medium", "high"] | None = None
+    lora_path: str | None = None
+
+    def lora_name(self, served_model_name: str) -> str | None:
+        """The adapter to use: `model: "base:adapter"` wins over `lora_path` (as in SGLang)."""
+        return lora_from_model(self.model, served_model_name) or self.lora_path or None
 
     def refuse_unsupported(self) -> None:
         if self.n != 1:

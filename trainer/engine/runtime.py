@@ -1,12 +1,15 @@
 """The engine's serving state: model, tokenizer, weight version, pause state, weight swaps.
 
-Concurrency follows SGLang's tokenizer manager (see /work/shared/SGLANG.md §1.3):
+Concurrency follows SGLang's tokenizer manager (docs/engine-protocol.md §1.3):
 - every generate request first waits while the engine is paused, then holds the *reader*
   side of a writer-preferring lock for its whole life, streaming included;
 - a weight update loads the new checkpoint first (a bad path fails here, old weights keep
   serving), then takes the *writer* side: it waits for in-flight requests to drain while new
   ones queue, swaps, and releases. No request fails because of an update;
 - while paused, an update skips the lock (nothing is stepping) and swaps immediately.
+
+LoRA adapters (trainer/engine/lora.py) load and unload without that lock, as in SGLang: a
+request resolves its adapter once it holds the reader side and keeps it until it ends.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from typing import Any
 
 import torch
 
+from trainer.engine.lora import Adapter, LoRAError, Registry, read_adapter
+from trainer.engine.protocol import EngineError
 from trainer.engine.scheduler import Scheduler, Sequence
 
 log = logging.getLogger("clawrl.engine")
@@ -99,7 +104,8 @@ class Engine:
 
     def __init__(self, model_path: str, *, served_model_name: str | None = None,
                  weight_version: str = "default", device: str = "cpu",
-                 dtype: torch.dtype = torch.float32, max_batch: int = 32) -> None:
+                 dtype: torch.dtype = torch.float32, max_batch: int = 32,
+                 max_loaded_loras: int | None = None) -> None:
         from transformers import AutoTokenizer
 
         self.model_path = str(model_path)
@@ -132,6 +138,7 @@ class Engine:
         self._update_lock = asyncio.Lock()
         self.live: dict[str, Sequence] = {}
         self._token_text: dict[int, str] = {}
+        self.adapters = Registry(self._read_adapter, max_loaded=max_loaded_loras)
 
     @property
     def weight_version(self) -> str:
@@ -161,6 +168,39 @@ class Engine:
         ids: list[int] = self.tokenizer.encode(text, add_special_tokens=False)
         return ids
 
+    # ---- LoRA adapters ----------------------------------------------------------------------
+
+    async def _read_adapter(self, name: str, path: str, pinned: bool) -> Adapter:
+        """Read a PEFT directory off the event loop, then hook its modules between steps."""
+        adapter = await asyncio.to_thread(read_adapter, name, path, pinned=pinned,
+                                          model=self.scheduler.model, device=self.device,
+                                          dtype=self.dtype)
+        scheduler = self.scheduler
+        await asyncio.wrap_future(scheduler.call(
+            lambda: scheduler.lora.attach(scheduler.model, set(adapter.weights))))
+        return adapter
+
+    async def check_adapter(self, name: str | None) -> None:
+        """Refuse (400) a request for an adapter that is not loaded, before it starts."""
+        if name is not None:
+            try:
+                await self.adapters.resolve(name)
+            except LoRAError as exc:
+                raise EngineError(str(exc)) from exc
+
+    async def _hold_adapter(self, seq: Sequence) -> str | None:
+        """Give `seq` its adapter for its lifetime; an error message if it cannot have it."""
+        if seq.lora_name is None:
+            return None
+        try:
+            adapter = await self.adapters.resolve(seq.lora_name)
+        except LoRAError as exc:
+            return str(exc)
+        if not Registry.acquire(adapter):  # unloaded between resolve and now
+            return f"LoRA adapter {seq.lora_name} was unloaded"
+        seq.adapter = adapter
+        return None
+
     # ---- generation -----------------------------------------------------------------------
 
     async def generate(self, seq: Sequence,
@@ -179,6 +219,11 @@ class Engine:
         seq.notify = notify
         await self._resumed.wait()
         async with self.lock.reader():
+            refused = await self._hold_adapter(seq)
+            if refused is not None:
+                seq.finish = {"type": "abort", "message": refused, "status_code": 400}
+                yield seq
+                return
             if seq.rid in self.live:
                 seq.rid = f"{seq.rid}-{uuid.uuid4().hex[:8]}"
             self.live[seq.rid] = seq
@@ -197,6 +242,8 @@ class Engine:
                 if seq.finish is None:
                     self.scheduler.abort(seq, "client disconnected")
                 self.live.pop(seq.rid, None)
+                if seq.adapter is not None:
+                    Registry.release(seq.adapter)
 
     async def run(self, seq: Sequence,
                   disconnected: Callable[[], Awaitable[bool]] | None = None) -> Sequence:

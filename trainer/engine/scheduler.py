@@ -14,6 +14,11 @@ Prefill is always batch 1 (no padded queries, so no fully-masked attention rows)
 
 Logprobs are the model's raw log-softmax (temperature 1, before top-p/top-k) of the sampled
 token: the trainer's first-step importance ratio is then exactly 1.
+
+LoRA: each sequence may carry an `Adapter` (trainer/engine/lora.py); before every forward the
+thread writes the adapter of each batch row into `lora.rows`, and the hooks on the target
+modules add that row's low-rank update, so base rows and rows of different adapters share one
+forward. Hooks are added only on this thread, between steps (`call`).
 """
 
 from __future__ import annotations
@@ -23,12 +28,15 @@ import random
 import threading
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from transformers.cache_utils import DynamicCache
+
+from trainer.engine.lora import Adapter, LoRAContext
 
 log = logging.getLogger("clawrl.engine")
 
@@ -72,6 +80,9 @@ class Sequence:
     input_top: list[list[tuple[float, int]] | None] = field(default_factory=list)
     weight_spans: list[dict[str, Any]] = field(default_factory=list)
     finish: Finish | None = None
+    # LoRA: the adapter name the request asked for, and the adapter it holds while it runs.
+    lora_name: str | None = None
+    adapter: Adapter | None = None
     # scheduler-private state
     aborted: str | None = None
     n_cached: int = 0
@@ -92,10 +103,15 @@ class Scheduler:
         self._cond = threading.Condition()
         self._waiting: deque[Sequence] = deque()
         self._running: list[Sequence] = []
+        # Taken off the queue for this iteration's prefill, not yet in the running batch:
+        # `abort_all` must reach them too (their first token may already be streamed).
+        self._admitting: list[Sequence] = []
         self._cache: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._mask = torch.zeros(0, 0, dtype=torch.long)
         self._frozen = self._retract = self._parked = False
         self._stopped = False
+        self._calls: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
+        self.lora = LoRAContext()
         self._thread = threading.Thread(target=self._loop, name="engine-scheduler", daemon=True)
         self._rng = torch.Generator().manual_seed(random.randrange(2**63))
 
@@ -125,7 +141,8 @@ class Scheduler:
 
     def abort_all(self, message: str) -> int:
         with self._cond:
-            live = [s for s in (*self._waiting, *self._running) if s.finish is None]
+            live = [s for s in (*self._waiting, *self._admitting, *self._running)
+                    if s.finish is None]
             for seq in live:
                 seq.aborted = message
             self._cond.notify_all()
@@ -158,7 +175,19 @@ class Scheduler:
         with self._cond:
             if self._running:
                 raise RuntimeError(f"{len(self._running)} requests still hold a KV cache")
+            self.lora.reattach(model)  # loaded adapters apply to the new base weights too
             self.model, self.weight_version = model, weight_version
+
+    def call(self, fn: Callable[[], Any]) -> Future[Any]:
+        """Run `fn` on the scheduler thread between two steps (paused or not); its result."""
+        done: Future[Any] = Future()
+        with self._cond:
+            if not self._thread.is_alive():  # not started (or stopped): nothing steps
+                done.set_result(fn())
+                return done
+            self._calls.append((fn, done))
+            self._cond.notify_all()
+        return done
 
     # ---- the scheduler thread --------------------------------------------------------------
 
@@ -172,9 +201,12 @@ class Scheduler:
                 admit: list[Sequence] = []
                 while self._waiting and len(self._running) + len(admit) < self.max_batch:
                     admit.append(self._waiting.popleft())
+                self._admitting = admit
             try:
                 for seq in admit:
                     self._prefill(seq)
+                with self._cond:
+                    self._admitting = []
                 if self._running:
                     self._decode_step()
             except Exception as exc:  # never leave requests hanging on a dead thread
@@ -182,6 +214,7 @@ class Scheduler:
                 failed = [s for s in (*admit, *self._running) if s.finish is None]
                 with self._cond:
                     self._keep_rows([])
+                    self._admitting = []
                 for seq in failed:
                     self._finish(seq, {"type": "abort", "message": f"engine error: {exc!r}",
                                        "status_code": 500})
@@ -193,6 +226,12 @@ class Scheduler:
         return knowing no step is under way.
         """
         while not self._stopped:
+            while self._calls:
+                fn, done = self._calls.popleft()
+                try:
+                    done.set_result(fn())
+                except Exception as exc:
+                    done.set_exception(exc)
             if self._frozen:
                 if self._retract:
                     self._waiting.extendleft(reversed(self._running))
@@ -223,6 +262,7 @@ class Scheduler:
         """Batch-1 forward over everything the sequence has but the pending last token."""
         resumed = bool(seq.output_ids)  # retracted earlier: recompute the cache, sample nothing
         tokens = seq.input_ids + seq.output_ids[:-1] if resumed else seq.input_ids
+        self.lora.rows = [seq.adapter] if seq.adapter is not None else None
         out = self.model(input_ids=torch.tensor([tokens]), use_cache=True)
         logits = out.logits[0].float()  # [L, V]
         seq.n_cached = len(tokens)
@@ -233,8 +273,9 @@ class Scheduler:
                 seq.weight_spans = [{"version": self.weight_version, "start": 0, "end": 0}]
                 self._finish(seq, {"type": "length", "length": 0})
                 return
-            self._append(seq, logits[-1], F.log_softmax(logits[-1], dim=-1))
-            if seq.finish is not None:
+            finish = self._append(seq, logits[-1], F.log_softmax(logits[-1], dim=-1))
+            if finish is not None:
+                self._finish(seq, finish)
                 return
         self._merge([(k, v) for k, v, *_ in out.cache], seq)
 
@@ -274,18 +315,27 @@ class Scheduler:
         input_ids = torch.tensor([[s.output_ids[-1]] for s in seqs])
         positions = torch.tensor([[s.n_cached] for s in seqs])
         mask = torch.cat([self._mask, torch.ones(len(seqs), 1, dtype=torch.long)], dim=1)
+        rows = [s.adapter for s in seqs]
+        self.lora.rows = rows if any(a is not None for a in rows) else None
         out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
                          cache=DynamicCache(ddp_cache_data=self._cache), use_cache=True)
         self._cache = [(k, v) for k, v, *_ in out.cache]
         self._mask = mask
         logits = out.logits[:, -1].float()  # [B, V]
         logp = F.log_softmax(logits, dim=-1)
+        finished: dict[int, Finish] = {}
         for row, seq in enumerate(seqs):
             seq.n_cached += 1
-            self._append(seq, logits[row], logp[row])
-        keep = [i for i, s in enumerate(seqs) if s.finish is None]
-        if len(keep) < len(seqs):
-            self._keep_rows(keep)
+            finish = self._append(seq, logits[row], logp[row])
+            if finish is not None:
+                finished[row] = finish
+        if finished:
+            # Out of the running batch before anyone hears it finished: a weight update that
+            # waited for the last request then finds no KV cache left.
+            with self._cond:
+                self._keep_rows([i for i in range(len(seqs)) if i not in finished])
+            for row, finish in finished.items():
+                self._finish(seqs[row], finish)
 
     def _keep_rows(self, rows: list[int]) -> None:
         if not rows:
@@ -300,8 +350,12 @@ class Scheduler:
         self._cache = [(k[index, :, first:], v[index, :, first:]) for k, v in self._cache]
         self._running = [self._running[i] for i in rows]
 
-    def _append(self, seq: Sequence, logits: torch.Tensor, logp: torch.Tensor) -> None:
-        """Sample from `logits` [V]; record the token with its raw logprob `logp` [V]; stop?"""
+    def _append(self, seq: Sequence, logits: torch.Tensor, logp: torch.Tensor) -> Finish | None:
+        """Sample from `logits` [V]; record the token with its raw logprob `logp` [V].
+
+        Returns how the sequence finished, if it did; the caller finishes it (after taking it
+        out of the running batch). Otherwise the sequence's reader is told of the new token.
+        """
         token = _sample(logits, seq.params, seq.generator or self._rng)
         if not seq.weight_spans or seq.weight_spans[-1]["version"] != self.weight_version:
             n = len(seq.output_ids)
@@ -316,10 +370,9 @@ class Scheduler:
                 seq.output_top.append(_pairs(top.values[None], top.indices[None])[0])
         seq.output_ids.append(token)
         finish = self._check_stop(seq, token)
-        if finish is not None:
-            self._finish(seq, finish)
-        else:
+        if finish is None:
             seq.notify()
+        return finish
 
     def _check_stop(self, seq: Sequence, token: int) -> Finish | None:
         p, n = seq.params, len(seq.output_ids)

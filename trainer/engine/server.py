@@ -2,7 +2,13 @@
 
 Run: `clawrl engine --model DIR [--host 127.0.0.1] [--port 30000] [--served-model-name NAME]`
 (or `python -m trainer.engine ...`). Routes, fields and shapes follow SGLang 0.5.x's
-`srt/entrypoints/http_server.py`; /work/shared/SGLANG.md lists them.
+`srt/entrypoints/http_server.py`; docs/engine-protocol.md lists them.
+
+Keys work as SGLang's: `--api-key` (default `$CLAWRL_ENGINE__API_KEY`, which `clawrl up`
+generates) is required on every route but the health checks; the control
+routes (weights, LoRA adapters, pause, abort, cache) take `--admin-api-key` instead
+when it is given.
+Without keys every route is open, so bind such an engine to 127.0.0.1 only.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import dataclasses
 import hmac
 import json
 import logging
+import os
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -26,6 +33,7 @@ from pydantic import ValidationError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from trainer.engine import chat
+from trainer.engine.lora import LoRAError
 from trainer.engine.protocol import (
     ChatCompletionRequest,
     EngineError,
@@ -40,10 +48,16 @@ from trainer.engine.protocol import (
 from trainer.engine.runtime import Engine, WeightUpdateError
 from trainer.engine.scheduler import Sequence
 
-_OPEN_ROUTES = {"/health", "/health_generate", "/v1/models"}
+# As SGLang's `decide_request_auth`: only health probes are open (/v1/models lists adapters).
+_OPEN_ROUTES = {"/health", "/health_generate"}
+# SGLang's admin routes (`@auth_level(AuthLevel.ADMIN_OPTIONAL)`): they change what is served.
+CONTROL_ROUTES = frozenset({"/update_weights_from_disk", "/update_weight_version",
+                            "/pause_generation", "/continue_generation", "/flush_cache",
+                            "/abort_request", "/load_lora_adapter", "/unload_lora_adapter"})
 
 
-def create_app(engine: Engine, *, api_key: str | None = None) -> FastAPI:
+def create_app(engine: Engine, *, api_key: str | None = None,
+               admin_api_key: str | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         engine.start()
@@ -56,8 +70,8 @@ def create_app(engine: Engine, *, api_key: str | None = None) -> FastAPI:
     async def _engine_error(_: Request, exc: EngineError) -> JSONResponse:
         return error_response(exc.message, exc.status)
 
-    if api_key:
-        app.add_middleware(_BearerAuth, api_key=api_key)
+    if api_key or admin_api_key:
+        app.add_middleware(_BearerAuth, api_key=api_key, admin_api_key=admin_api_key)
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(request: Request) -> Response:
@@ -70,6 +84,7 @@ def create_app(engine: Engine, *, api_key: str | None = None) -> FastAPI:
             if request.headers.get(f"x-sglext-return-{flag}-ids") == "1":
                 setattr(req, f"return_{flag}_ids_in_sglext", True)
         seq = chat.prepare(engine, req, req.rid)
+        await engine.check_adapter(seq.lora_name)
         if req.stream:
             return StreamingResponse(chat.stream(engine, req, seq, request.is_disconnected),
                                      media_type="text/event-stream")
@@ -77,10 +92,15 @@ def create_app(engine: Engine, *, api_key: str | None = None) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{
-            "id": engine.served_model_name, "object": "model", "created": int(time.time()),
-            "owned_by": "sglang", "root": engine.served_model_name,
-            "max_model_len": engine.context_len}]}
+        created = int(time.time())
+        base = engine.served_model_name
+        cards = [{"id": base, "object": "model", "created": created, "owned_by": "sglang",
+                  "root": base, "max_model_len": engine.context_len}]
+        # SGLang lists loaded adapters after the base (`ModelCard` with `parent`).
+        cards += [{"id": name, "object": "model", "created": created, "owned_by": "sglang",
+                   "root": path, "parent": base, "max_model_len": None}
+                  for name, path in engine.adapters.listing().items()]
+        return {"object": "list", "data": cards}
 
     @app.api_route("/generate", methods=["POST", "PUT"], response_model=None)
     async def generate(request: Request) -> Response:
@@ -90,6 +110,8 @@ def create_app(engine: Engine, *, api_key: str | None = None) -> FastAPI:
         except ValidationError as exc:
             raise EngineError(describe(exc)) from exc
         seqs, batched = _generate_seqs(engine, req)
+        for name in {s.lora_name for s in seqs}:
+            await engine.check_adapter(name)
         started = time.monotonic()
         if req.stream:
             if batched:
@@ -128,6 +150,30 @@ def create_app(engine: Engine, *, api_key: str | None = None) -> FastAPI:
             engine.abort(None, abort_all=True)
         engine.scheduler.weight_version = str(body["new_version"])
         return {"success": True, "message": f"Weight version updated to {body['new_version']}"}
+
+    @app.post("/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> JSONResponse:
+        body = parse_json(await request.body())
+        name, path = body.get("lora_name"), body.get("lora_path")
+        if not isinstance(name, str) or not isinstance(path, str):
+            return _lora_result(engine, "lora_name and lora_path (strings) are required")
+        try:
+            await engine.adapters.load(name, path, pinned=bool(body.get("pinned", False)))
+        except LoRAError as exc:
+            return _lora_result(engine, str(exc))
+        return _lora_result(engine)
+
+    @app.post("/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> JSONResponse:
+        body = parse_json(await request.body())
+        name = body.get("lora_name")
+        if not isinstance(name, str):
+            return _lora_result(engine, "lora_name must be provided to unload LoRA adapter")
+        try:
+            await engine.adapters.unload(name)
+        except LoRAError as exc:
+            return _lora_result(engine, str(exc))
+        return _lora_result(engine)
 
     @app.post("/pause_generation")
     async def pause_generation(request: Request) -> dict[str, str]:
@@ -186,19 +232,34 @@ def create_app(engine: Engine, *, api_key: str | None = None) -> FastAPI:
 
 
 class _BearerAuth:
-    """Pure ASGI middleware (BaseHTTPMiddleware would hide client disconnects from streams)."""
+    """SGLang's key check as pure ASGI middleware (BaseHTTPMiddleware would hide client
+    disconnects from streams): a control route wants the admin key when there is one, else
+    the API key; any other route but the open ones wants the API key when there is one."""
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app, self.api_key = app, api_key.encode()
+    def __init__(self, app: ASGIApp, api_key: str | None, admin_api_key: str | None) -> None:
+        self.app = app
+        self.api_key = api_key.encode() if api_key else None
+        self.admin_api_key = admin_api_key.encode() if admin_api_key else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in _OPEN_ROUTES:
+        path = scope.get("path", "")
+        if scope["type"] == "http" and path not in _OPEN_ROUTES:
+            wanted = self.api_key
+            if path in CONTROL_ROUTES and self.admin_api_key is not None:
+                wanted = self.admin_api_key
             headers = dict(scope.get("headers") or [])
             given = headers.get(b"authorization", b"").removeprefix(b"Bearer ").strip()
-            if not hmac.compare_digest(given, self.api_key):
+            if wanted is not None and not hmac.compare_digest(given, wanted):
                 await error_response("invalid API key", 401)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+def _lora_result(engine: Engine, error: str | None = None) -> JSONResponse:
+    """SGLang's `LoRAUpdateOutput`: 200 on success, 400 with `error_message` otherwise."""
+    return JSONResponse({"success": error is None, "error_message": error or "",
+                         "loaded_adapters": engine.adapters.listing()},
+                        status_code=200 if error is None else 400)
 
 
 def _update_result(success: bool, message: str) -> JSONResponse:
@@ -220,6 +281,7 @@ def _generate_seqs(engine: Engine, req: GenerateRequest) -> tuple[list[Sequence]
         batched = bool(ids) and isinstance(ids[0], list)
         prompts = [list(p) for p in ids] if batched else [list(ids)]  # type: ignore[arg-type]
     params = sampling_from_dict(req.sampling_params)
+    lora_names = req.lora_names(len(prompts))
     seqs = []
     for i, ids in enumerate(prompts):
         if any(not 0 <= t < engine.vocab_size for t in ids):
@@ -237,7 +299,7 @@ def _generate_seqs(engine: Engine, req: GenerateRequest) -> tuple[list[Sequence]
                                        stop_token_ids=list(params.stop_token_ids)),
             return_logprob=req.return_logprob,
             logprob_start_len=len(ids) - 1 if start < 0 else start,
-            top_logprobs_num=req.top_logprobs_num))
+            top_logprobs_num=req.top_logprobs_num, lora_name=lora_names[i]))
     return seqs, batched
 
 
@@ -300,12 +362,21 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--max-batch", type=int, default=32)
-    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--max-loaded-loras", type=int, default=None,
+                        help="LoRA adapters resident at once; the least recently used "
+                             "unpinned one is evicted past it (default: no bound)")
+    parser.add_argument("--api-key", default=os.environ.get("CLAWRL_ENGINE__API_KEY") or None,
+                        help="key for every route but health (default $CLAWRL_ENGINE__API_KEY)")
+    parser.add_argument("--admin-api-key", default=None,
+                        help="key for the control routes instead of --api-key")
     parser.add_argument("--log-level", default="warning")
     args = parser.parse_args(argv)
     if not (args.model / "config.json").is_file():
         print(f"clawrl engine: {args.model} is not a Hugging Face model directory "
               "(no config.json)", file=sys.stderr)
+        return 1
+    if args.max_loaded_loras is not None and args.max_loaded_loras < 1:
+        print("clawrl engine: --max-loaded-loras must be at least 1", file=sys.stderr)
         return 1
     import torch
     import uvicorn
@@ -318,11 +389,12 @@ def main(argv: list[str]) -> int:
     try:
         engine = Engine(str(args.model), served_model_name=args.served_model_name,
                         weight_version=args.weight_version, device=device,
-                        dtype=getattr(torch, args.dtype), max_batch=args.max_batch)
+                        dtype=getattr(torch, args.dtype), max_batch=args.max_batch,
+                        max_loaded_loras=args.max_loaded_loras)
     except Exception as exc:  # a model that cannot load: one line, non-zero exit
         print(f"clawrl engine: cannot load {args.model}: {exc}", file=sys.stderr)
         return 1
-    app = create_app(engine, api_key=args.api_key)
+    app = create_app(engine, api_key=args.api_key, admin_api_key=args.admin_api_key)
     print(f"clawrl engine: serving {args.model} on http://{args.host}:{args.port} "
           f"({device}, weight_version {engine.weight_version})", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,

@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# Start one clawrl role on this node, in the foreground (systemd: deploy/systemd/clawrl@.service;
+# by hand: one terminal or tmux pane per role). Settings come from cluster.env.
+#
+#   deploy/multi-gpu/launch-node.sh ROLE      ROLE is one of:
+#     prepare       once per cluster: migrate the database, make the judge model
+#     policy        the policy engine: SGLang on POLICY_GPUS, TP × DP (+ --nnodes over nodes)
+#     judge-engine  one judge engine: SGLang on JUDGE_GPUS serving the frozen judge model
+#     router        the SGLang router in front of JUDGE_ENGINES
+#     proxy-PORT    one proxy replica on PORT (its own journal: state/journal-PORT)
+#     judge         a judge worker (any number, any node)
+#     trainer       this node's megatron ranks (torchrun; rank 0 runs the trainer loop)
+#
+#   CLUSTER_ENV=/etc/clawrl/cluster.env deploy/multi-gpu/launch-node.sh policy
+#
+# See deploy/multi-gpu/README.md for the layouts (one node, several nodes).
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+CLUSTER_ENV=${CLUSTER_ENV:-/etc/clawrl/cluster.env}
+[[ -f "$CLUSTER_ENV" ]] || { echo "launch-node.sh: no $CLUSTER_ENV (copy cluster.env.example)" >&2; exit 1; }
+set -a
+# shellcheck disable=SC1090
+source "$CLUSTER_ENV"
+set +a
+PYTHON=${PYTHON:-$ROOT/.venv/bin/python}
+CLAWRL=("$PYTHON" -m proxy.cli)
+role=${1:?usage: launch-node.sh ROLE (see the header)}
+cd "$ROOT"
+
+judge_model() {
+    echo "${JUDGE_MODEL:-$CLAWRL_STATE_DIR/models/judge}"
+}
+
+case "$role" in
+prepare)
+    "${CLAWRL[@]}" db upgrade
+    "${CLAWRL[@]}" models pull smollm2-135m --state-dir "$CLAWRL_STATE_DIR"
+    # The shipped judge adapter merged into <state>/models/judge (once; the embedded engine's
+    # `clawrl judge serve` does the same on its first run).
+    "$PYTHON" - "$CLAWRL_STATE_DIR" <<'PY'
+import sys
+from pathlib import Path
+from trainer.judgemodel.model import ADAPTER_DIR, ensure_judge_model
+print(ensure_judge_model(Path(sys.argv[1]), ADAPTER_DIR))
+PY
+    ;;
+policy)
+    dist=()
+    if (( ${POLICY_NNODES:-1} > 1 )); then
+        dist=(--nnodes "$POLICY_NNODES" --node-rank "$POLICY_NODE_RANK"
+              --dist-init-addr "$POLICY_DIST_INIT")
+    fi
+    CUDA_VISIBLE_DEVICES=$POLICY_GPUS MODEL=$POLICY_MODEL HOST=0.0.0.0 PORT=$POLICY_PORT \
+        exec "$ROOT/deploy/sglang.sh" --tp-size "$POLICY_TP" --dp-size "$POLICY_DP" \
+        "${dist[@]}"
+    ;;
+judge-engine)
+    # Frozen weights; small model: a modest share of the GPU leaves room for another engine.
+    CUDA_VISIBLE_DEVICES=$JUDGE_GPUS MODEL=$(judge_model) HOST=0.0.0.0 PORT=$JUDGE_PORT \
+        exec "$ROOT/deploy/sglang.sh" --mem-fraction-static "${JUDGE_MEM_FRACTION:-0.5}"
+    ;;
+router)
+    # Judge traffic only: the judge engines never change weights, so any of them may answer.
+    # (The policy engine is one SGLang server with --dp-size: its own DP controller balances
+    # it, and one /update_weights_from_disk reaches every replica.)
+    # shellcheck disable=SC2086
+    exec "$PYTHON" -m sglang_router.launch_router --host "$ROUTER_HOST" --port "$ROUTER_PORT" \
+        --worker-urls $JUDGE_ENGINES --policy cache_aware ${ROUTER_ARGS:-}
+    ;;
+proxy-*)
+    port=${role#proxy-}
+    CLAWRL_PROXY__HOST=$PROXY_HOST CLAWRL_PROXY__PORT=$port \
+    CLAWRL_PROXY__JOURNAL_PATH=${CLAWRL_PROXY__JOURNAL_PATH:-/var/lib/clawrl/journal-$port} \
+        exec "${CLAWRL[@]}" proxy
+    ;;
+judge)
+    exec "${CLAWRL[@]}" judge
+    ;;
+trainer)
+    CUDA_VISIBLE_DEVICES=$TRAIN_GPUS NPROC=$TRAIN_NPROC NNODES=$TRAIN_NNODES \
+    NODE_RANK=$TRAIN_NODE_RANK MASTER_ADDR=$TRAIN_MASTER_ADDR TP=$TRAIN_TP PP=$TRAIN_PP \
+    PYTHON=$PYTHON exec "$ROOT/deploy/torchrun.sh" --model "$POLICY_MODEL"
+    ;;
+*)
+    echo "launch-node.sh: unknown role $role (prepare, policy, judge-engine, router," \
+         "proxy-PORT, judge, trainer)" >&2
+    exit 2
+    ;;
+esac

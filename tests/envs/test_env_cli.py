@@ -1,0 +1,71 @@
+"""`clawrl env` and `clawrl bench env` as a user runs them: bad input is one line, a real run
+against the real proxy prints its table."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from proxy.bench import make_key
+from proxy.bench_procs import BenchProcs
+
+ADMIN_URL = os.environ.get("CLAWRL_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
+
+
+def clawrl(*args: str, env: dict[str, str] | None = None,
+           timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "proxy.cli", *args], capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, **(env or {})})
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["nope"], "clawrl env: unknown environment 'nope' (known: terminal)"),
+    (["terminal", "--tasks", "write_file,fly"], "clawrl env: unknown terminal task 'fly'"),
+    (["terminal", "--episodes", "0"], "clawrl env: --episodes must be at least 1"),
+    (["terminal", "--episodes", "x"], "clawrl env: argument --episodes: invalid int value"),
+    (["terminal", "--temperature", "9"], "clawrl env: --temperature must be in [0, 2]"),
+    ([], "clawrl env: the following arguments are required: NAME"),
+])
+def test_bad_input_is_one_line(args: list[str], message: str) -> None:
+    out = clawrl("env", *args)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.count("\n") == 1 and out.stderr.startswith(message), out.stderr
+
+
+def test_no_proxy_or_no_key_is_one_line(tmp_path: Path) -> None:
+    env = {"CLAWRL_STATE_FILE": str(tmp_path / "none.json"), "CLAWRL_API_KEY": ""}
+    out = clawrl("env", "terminal", env=env)
+    assert out.returncode == 1 and out.stderr.count("\n") == 1
+    assert out.stderr.startswith("clawrl env: no proxy: pass --base-url")
+    out = clawrl("env", "terminal", "--base-url", "http://127.0.0.1:9/v1", env=env)
+    assert out.returncode == 1 and out.stderr.startswith("clawrl env: no API key")
+
+
+def test_clawrl_env_runs_episodes_through_the_proxy(db_url: str, tmp_path: Path) -> None:
+    key = asyncio.run(make_key(db_url))
+    with BenchProcs(db_url, tmp_path) as procs:
+        procs.configure(tool_command="wc -l < data.txt > count.txt")
+        out = clawrl("env", "terminal", "--base-url", f"{procs.proxy_url}/v1", "--api-key", key,
+                     "--episodes", "3", "--concurrency", "3", "--tasks", "count_lines,uppercase",
+                     "--model", "bench", "--json", str(tmp_path / "episodes.json"))
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("sandbox network: ")
+    assert any(line.split()[:4] == ["count_lines", "2", "2", "1.00"] for line in lines), lines
+    assert any(line.split()[:4] == ["uppercase", "1", "0", "0.00"] for line in lines), lines
+    assert "3 episodes in" in out.stdout and "2 solved (0.67)" in out.stdout
+    assert (tmp_path / "episodes.json").is_file()
+
+
+def test_bench_env_prints_episodes_per_second() -> None:
+    out = clawrl("bench", "env", "--concurrency", "1,4", "--episodes", "2,4", "--overhead", "5",
+                 env={"CLAWRL_DATABASE__URL": ADMIN_URL})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "episodes/s" in out.stdout and "the proxy adds" in out.stdout
+    assert "4 at a time: 8 steps -> 8 turns in Postgres, 4 sessions, 4 with their outcome" \
+        in out.stdout

@@ -1,0 +1,128 @@
+"""The judge model's synthetic training set: coverage, consistent targets, and disjointness
+from the held-out follow-ups and the simulated users' pool."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from judge.config import JUDGE_MODEL_SETTINGS
+from judge.parse import parse_hint, parse_score
+from judge.prompts import render_fields, render_hint, render_judge, render_prm
+from trainer.judgemodel.build import BuildConfig
+from trainer.judgemodel.model import PROMPT_VERSION, prompts
+from trainer.judgemodel.synth import (
+    MIX,
+    NO_HINT,
+    JudgeExample,
+    iter_examples,
+    normalize,
+    perturb,
+    training_set,
+)
+from trainer.world.town import FACT_HINT, HINTS, PREFERENCES, satisfies
+
+REPO = Path(__file__).resolve().parents[2]
+HELD_OUT = [REPO / "trainer" / "judgemodel" / "data" / "heldout.jsonl",
+            REPO / "trainer" / "world" / "data" / "sim_followups.jsonl"]
+# The two follow-ups quoted in issue 13 (the user the judge failed): never trained on either.
+ISSUE_TEXTS = ["thanks, perfect.", "please answer in lowercase only, no capital letters."]
+
+
+@pytest.fixture(scope="module")
+def sample() -> list[JudgeExample]:
+    return list(itertools.islice(iter_examples(0), 4000))
+
+
+def test_every_kind_and_preference_is_covered(sample: list[JudgeExample]) -> None:
+    kinds = Counter(e.kind for e in sample)
+    assert set(kinds) == set(MIX)
+    for kind, share in MIX.items():
+        assert abs(kinds[kind] / len(sample) - share) < 0.03, kind
+    prefs = Counter(e.preference for e in sample if e.kind == "style")
+    assert set(prefs) == set(PREFERENCES)
+    assert min(prefs.values()) >= 60
+
+
+def test_follow_ups_are_varied_and_perturbed(sample: list[JudgeExample]) -> None:
+    texts = [e.next_state[0]["content"] for e in sample]
+    assert len(set(e.template for e in sample)) > 0.8 * len(sample)
+    emoji = sum(1 for t in texts if re.search(r"[\U0001F300-\U0001FAFF]|:\)|<3", t))
+    shouting = sum(1 for t in texts if t.isupper())
+    lower = sum(1 for t in texts if t == t.lower())
+    assert emoji > 0.1 * len(texts) and shouting > 0.02 * len(texts) and lower > 0.2 * len(texts)
+    # Praise before a correction, praise of the reply's own style, and short next questions.
+    style = [e.next_state[0]["content"].lower() for e in sample if e.kind == "style"]
+    assert sum(1 for t in style if "but " in t) > 0.1 * len(style)
+    praise_replies = [e for e in sample if e.kind == "praise"]
+    assert len(praise_replies) > 1000
+
+
+def test_typos_change_words_but_not_placeholders() -> None:
+    import random
+
+    rng = random.Random(1)
+    outs = {perturb("please write everything in lowercase, {fact}", rng) for _ in range(300)}
+    assert all("{fact}" in o for o in outs)
+    words = {w for o in outs for w in re.findall(r"[a-z]+", o.lower())}
+    assert words - {"please", "write", "everything", "in", "lowercase", "fact"}  # slips exist
+
+
+def test_targets_match_the_turn(sample: list[JudgeExample]) -> None:
+    for e in sample:
+        prm, hint = e.prm_target, e.hint_target
+        assert parse_score(prm) == e.label
+        parsed = parse_hint(hint)
+        assert parsed.ok
+        reply = e.reply["content"]
+        if e.kind == "style":
+            assert e.preference is not None and not satisfies(e.preference, reply)
+            assert parsed.hint == HINTS[e.preference][0]
+        elif e.kind == "fact":
+            fact = parsed.hint.removeprefix(FACT_HINT.format(fact="")) if parsed.hint else ""
+            assert fact and fact in e.next_state[0]["content"]
+        else:
+            assert hint == NO_HINT and parsed.hint is None
+
+
+def test_prompts_are_the_workers_prompts(sample: list[JudgeExample]) -> None:
+    """The judge model trains on what the worker sends it at its prompt version: v2, a PRM
+    and a hint prompt; v3, one combined prompt answered with the score, then the hint or
+    [NO_HINT] (which the worker's parsers read back from the one answer); v4 (the shipped
+    judge's), the same with the bare score first."""
+    assert PROMPT_VERSION == JUDGE_MODEL_SETTINGS["prompt_version"] == "v4"
+    for example in sample[:20]:
+        fields = render_fields(example.request, example.reply, example.next_state)
+        assert prompts(example) == prompts(example, "v4")
+        (prm, prm_answer), (hint, hint_answer) = prompts(example, "v2")
+        assert (prm, hint) == (render_prm(fields, "v2"), render_hint(fields, "v2"))
+        assert (prm_answer, hint_answer) == (example.prm_target, example.hint_target)
+        [(prompt, answer)] = prompts(example, "v3")
+        assert prompt == render_judge(fields, "v3")
+        assert parse_score(answer) == example.label
+        assert parse_hint(answer).hint == example.hint
+        [(prompt, answer)] = prompts(example, "v4")  # score first
+        assert prompt == render_judge(fields, "v4")
+        assert answer.startswith(str(example.label))
+        assert parse_score(answer, leading=True) == example.label
+        assert parse_hint(answer).hint == example.hint
+
+
+def test_no_held_out_or_simulated_follow_up_is_trained_on() -> None:
+    """Neither the held-out set nor the simulated users' pool (normalized: case, punctuation,
+    emoji, spacing) appears among the training follow-ups, filled or as templates."""
+    held = {normalize(json.loads(line)["text"]) for path in HELD_OUT
+            for line in path.read_text(encoding="utf-8").splitlines() if line.strip()}
+    held |= {normalize(t) for t in ISSUE_TEXTS}
+    assert len(held) > 600
+    train = training_set(BuildConfig().turns)
+    more = list(itertools.islice(iter_examples(0), 30000))
+    seen = {normalize(e.template) for e in train + more}
+    seen |= {normalize(e.next_state[0]["content"]) for e in train + more}
+    overlap = sorted(seen & held)
+    assert not overlap, f"{len(overlap)} held-out/simulated follow-ups in the training set"

@@ -1,0 +1,228 @@
+"""`clawrl eval`: measure that the whole loop learns, with simulated users over HTTP.
+
+    clawrl eval [--model DIR | --small] [--methods combine,rl,opd,none] [--rounds 8]
+                [--prefs lowercase,brief] [--seeds 0,1,2] [--out runs/eval-...]
+
+For each method, on the same seeds: start a fresh stack (Postgres database, embedded engine
+serving the pretrained tiny world model, proxy, judge worker, and — except for `none` — the
+trainer with that method), create one user and API key per simulated user, then repeat for
+`--rounds` rounds: the users chat (trainer/world/simulate.py: questions, corrections of their hidden
+preference, praise) until the judge has produced a full training batch; the trainer trains
+it and publishes the next weight version (one version per round; the trainer is told to
+train full batches, or a partial one after 45 s
+when the users stop producing signal); then every user probes held-out prompts as side turns. Round 0 is
+the base model; `none` chats `--sessions` sessions per user per round and never trains.
+Each user holds `--parallel` conversations at once (a chat app has many users; the engine
+batches their requests), each with its own seeded RNG.
+
+`--seeds` repeats the whole run per seed (users, questions, phrasings, trainer seed), each
+seed's stacks under `<out>/seed-N/`.
+
+Output in `--out`: results.json (every probe with the served version's training stats,
+the settings and the target summary), a table on stdout
+(round x method x user: satisfaction, with weight version and task accuracy; the mean over
+seeds), curve.png (satisfaction per round, one line per method and preference, the band
+spanning the seeds), and the targets of the evaluation issue per method and seed: the first
+round each preference reaches 0.9, and how far answer accuracy fell below the base model's.
+
+The model defaults to `<state_dir>/models/tinyworld` (built with `clawrl tinyworld build`
+when missing); `--small` is a CI-sized run: the CI-sized build (`tinyworld build --ci`,
+`<state_dir>/models/tinyworld-ci`), `combine` against `none`, one lowercase-loving user, 4
+rounds, 32 samples per version. Postgres: `CLAWRL_DATABASE__URL`
+(a fresh database per method is created on that server), else an embedded server per method.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from trainer.eval.config import METHODS, SMALL_BATCH, SMALL_ROUNDS, EvalConfig
+from trainer.eval.report import plot_curve, print_table, print_targets, targets
+from trainer.world.town import EVAL_PREFERENCES
+
+
+def parse_args(argv: list[str]) -> EvalConfig:
+    from proxy.settings import load_settings
+
+    p = argparse.ArgumentParser(prog="clawrl eval", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", type=Path, help="model dir (default <state_dir>/models/tinyworld)")
+    p.add_argument("--small", action="store_true",
+                   help="a CI-sized run: the CI-sized model (<state_dir>/models/tinyworld-ci, "
+                        "~5 min to build once), and unless given: --methods combine,none "
+                        f"--prefs lowercase --rounds {SMALL_ROUNDS}")
+    p.add_argument("--methods", default=None, help=f"default {','.join(METHODS)}")
+    p.add_argument("--prefs", default=None,
+                   help="hidden preferences, one simulated user each "
+                        f"({', '.join(EVAL_PREFERENCES)}; default lowercase,brief)")
+    p.add_argument("--users-per-pref", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=None,
+                   help="rounds of chat -> train -> probe (default 8)")
+    p.add_argument("--parallel", type=int, default=4,
+                   help="concurrent chat sessions per simulated user")
+    p.add_argument("--sessions", type=int, default=8,
+                   help="chat sessions per user per round for `none` (trained methods chat "
+                        "until a full batch is ready)")
+    p.add_argument("--probes", type=int, default=64, help="held-out prompts per user per probe")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seeds", default=None,
+                   help="run everything once per seed, e.g. 0,1,2 (overrides --seed)")
+    p.add_argument("--lr", type=float, default=EvalConfig.lr, help="trainer learning rate")
+    p.add_argument("--kl-coef", type=float, default=0.05)
+    p.add_argument("--batch-size", type=int, default=None,
+                   help=f"samples per version (default {EvalConfig.batch_size}; "
+                        f"{SMALL_BATCH} with --small)")
+    p.add_argument("--round-timeout", type=float, default=900.0)
+    p.add_argument("--keep-db", action="store_true",
+                   help="keep each method's database (URL in <out>/<method>/database.txt) "
+                        "to look at turns, judgments and hints with SQL afterwards")
+    p.add_argument("--followups", choices=("corpus", "people", "issue"), default="corpus",
+                   help="what the simulated users say: the tiny world's phrasings, a pool "
+                        "people wrote apart from the corpus and the judge's training set, or "
+                        "the judge issue's user (\"thanks, perfect.\" / \"please answer in "
+                        "lowercase only, no capital letters.\"; --prefs lowercase)")
+    p.add_argument("--judge-engine", action="store_true",
+                   help="judge with the frozen judge model on its own engine (as clawrl up "
+                        "--judge-engine), not the policy model judging itself")
+    p.add_argument("--out", type=Path, default=None, help="output dir (default runs/eval-TIME)")
+    p.add_argument("--proxy-url", help="connect to a running stack's proxy (with --engine-url "
+                   "and CLAWRL_DATABASE__URL) instead of starting one per method")
+    p.add_argument("--engine-url", help="the running stack's engine (to read weight versions)")
+    args = p.parse_args(argv)
+    if args.methods is None:
+        args.methods = "combine,none" if args.small else ",".join(METHODS)
+    if args.prefs is None:
+        args.prefs = "lowercase" if args.small else "lowercase,brief"
+    if args.rounds is None:
+        args.rounds = SMALL_ROUNDS if args.small else 8
+    if args.batch_size is None:
+        args.batch_size = SMALL_BATCH if args.small else EvalConfig.batch_size
+    methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
+    prefs = tuple(x.strip() for x in args.prefs.split(",") if x.strip())
+    bad = [m for m in methods if m not in METHODS] + [x for x in prefs
+                                                     if x not in EVAL_PREFERENCES]
+    if bad or not methods or not prefs:
+        raise SystemExit(f"clawrl eval: unknown or missing method/preference: {bad or 'none'}")
+    try:
+        seeds = tuple(int(x) for x in (args.seeds or str(args.seed)).split(",") if x.strip())
+    except ValueError:
+        raise SystemExit(f"clawrl eval: --seeds takes integers like 0,1,2, not {args.seeds!r}") from None
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise SystemExit(f"clawrl eval: --seeds needs distinct integers, got {args.seeds!r}")
+    if args.proxy_url and len(seeds) > 1:
+        raise SystemExit("clawrl eval: --seeds needs a stack per seed; a running stack "
+                         "(--proxy-url) is measured once")
+    if bool(args.proxy_url) != bool(args.engine_url):
+        raise SystemExit("clawrl eval: --proxy-url and --engine-url go together")
+    if min(args.rounds, args.sessions, args.probes, args.users_per_pref, args.batch_size,
+           args.parallel) < 1:
+        raise SystemExit("clawrl eval: --rounds, --sessions, --parallel, --probes, "
+                         "--users-per-pref and --batch-size must be >= 1")
+    state = load_settings().state_dir
+    model = args.model or state / "models" / ("tinyworld-ci" if args.small else "tinyworld")
+    out = args.out or Path("runs") / time.strftime("eval-%Y%m%d-%H%M%S")
+    return EvalConfig(model=model, out=out, methods=methods, prefs=prefs,
+                      users_per_pref=args.users_per_pref, rounds=args.rounds,
+                      sessions=args.sessions, parallel=args.parallel, probes=args.probes,
+                      seed=seeds[0], seeds=seeds,
+                      lr=args.lr, kl_coef=args.kl_coef, batch_size=args.batch_size,
+                      round_timeout_s=args.round_timeout, proxy_url=args.proxy_url,
+                      keep_db=args.keep_db, followups=args.followups,
+                      engine_url=args.engine_url, judge_engine=args.judge_engine,
+                      extra_env={"SMALL": "1"} if args.small else {})
+
+
+def main(argv: list[str]) -> int:
+    from trainer.eval.stack import ensure_model
+
+    try:
+        config = parse_args(argv)
+    except SystemExit as exc:
+        if isinstance(exc.code, str):
+            print(exc.code, file=sys.stderr)
+            return 2
+        return int(exc.code or 0)
+    config.out.mkdir(parents=True, exist_ok=True)
+    try:
+        ensure_model(config.model, small=bool(config.extra_env.pop("SMALL", "")))
+    except (OSError, RuntimeError) as exc:
+        print(f"clawrl eval: cannot build the model at {config.model}: {exc}", file=sys.stderr)
+        return 1
+    # SIGTERM stops like Ctrl-C: the current stack is shut down and partial results written.
+    previous = signal.signal(signal.SIGTERM, _raise_on_sigterm)
+    try:
+        return run_eval(config)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def run_eval(config: EvalConfig) -> int:
+    """Every method in turn; writes results after each; prints the table."""
+    import openai
+
+    from trainer.eval.rounds import run_connected
+    from trainer.eval.stack import StackError, run_method
+
+    rows: list[dict[str, Any]] = []
+    started = time.monotonic()
+    try:
+        from tqdm import tqdm
+
+        seeds = config.seeds or (config.seed,)
+        runs = 1 if config.proxy_url else len(config.methods) * len(seeds)
+        with tqdm(total=runs * (config.rounds + 1), unit="probe", file=sys.stderr) as bar:
+            def on_round(method: str, rnd: int, new: list[dict[str, Any]]) -> None:
+                rows.extend(new)  # kept round by round: a failure later still writes these
+                bar.set_postfix_str(f"{method} s{new[0]['seed']} r{rnd} " + " ".join(
+                    f"{r['pref']}={r['satisfied']:.2f}" for r in new))
+                bar.update(1)
+
+            if config.proxy_url and config.engine_url:
+                run_connected(config, on_round)
+            for seed in () if config.proxy_url else seeds:
+                # one seed: its stacks right under --out; several: each under <out>/seed-N
+                run = replace(config, seed=seed, out=config.out / f"seed-{seed}"
+                              if len(seeds) > 1 else config.out)
+                for method in config.methods:
+                    run_method(run, method, on_round)
+                    _write(config, rows, started)
+    except StackError as exc:
+        print(f"clawrl eval: {exc}", file=sys.stderr)
+        _write(config, rows, started)
+        return 1
+    except openai.APIError as exc:  # the proxy refused or failed a simulated user's request
+        print(f"clawrl eval: a simulated user's request failed: {exc}; partial results "
+              f"written to {config.out}", file=sys.stderr)
+        _write(config, rows, started)
+        return 1
+    except KeyboardInterrupt:
+        print("clawrl eval: interrupted; partial results written", file=sys.stderr)
+        _write(config, rows, started)
+        return 130
+    print(print_table(rows))
+    print("\n" + print_targets(targets(rows)))
+    print(f"\nresults: {config.out / 'results.json'}  curve: {config.out / 'curve.png'}  "
+          f"({(time.monotonic() - started) / 60:.1f} min)")
+    return 0
+
+
+def _raise_on_sigterm(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def _write(config: EvalConfig, rows: list[dict[str, Any]], started: float) -> None:
+    config.out.mkdir(parents=True, exist_ok=True)
+    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(config).items()}
+    (config.out / "results.json").write_text(json.dumps(
+        {"settings": settings, "minutes": round((time.monotonic() - started) / 60, 2),
+         "targets": targets(rows), "probes": rows}, indent=1, default=str))
+    if rows:
+        plot_curve(rows, config.out / "curve.png")
+        (config.out / "table.txt").write_text(
+            f"{print_table(rows)}\n\n{print_targets(targets(rows))}\n")

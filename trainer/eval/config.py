@@ -1,0 +1,79 @@
+"""What one `clawrl eval` run is: its settings (`EvalConfig`), methods and targets, and the
+trainer/judge settings each method's stack gets (`stack_env`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+METHODS = ("combine", "rl", "opd", "none")
+SMALL_ROUNDS = 4  # `--small`: a CI-sized run
+SMALL_BATCH = 32  # `--small` has one user: half the chat per version
+PARTIAL_AFTER_S = 45
+# The evaluation's targets: satisfaction on held-out prompts >= TARGET_SATISFIED within the
+# rounds run, for at least TARGET_PREFS preferences, while answer accuracy never falls more
+# than TARGET_ACCURACY_DROP below the base model's.
+TARGET_SATISFIED = 0.9
+TARGET_PREFS = 2
+TARGET_ACCURACY_DROP = 0.05
+# Label of the rows measured on an already running stack (`--proxy-url`): whatever it trains.
+CONNECTED = "connected"
+
+
+@dataclass
+class EvalConfig:
+    model: Path
+    out: Path
+    methods: tuple[str, ...] = METHODS
+    prefs: tuple[str, ...] = ("lowercase", "brief")
+    users_per_pref: int = 1
+    rounds: int = 8
+    sessions: int = 8  # chat sessions per user per round for `none` (which never trains)
+    parallel: int = 4  # concurrent chat sessions per user
+    # Cap on waves of `parallel` sessions per user per round while a batch fills. A policy
+    # that already satisfies its users earns few corrections (for `opd`: few hints), so a
+    # batch may not fill; the trainer then trains what it has after MAX_WAIT_S (partial).
+    max_chats: int = 4  # per 32 samples of the batch
+    probes: int = 64
+    seed: int = 0
+    seeds: tuple[int, ...] = ()  # several seeds: the whole run once per seed (default: `seed`)
+    world_seed: int = 0
+    # Measured on the tiny world model (docs/eval.md): at 32 samples per version,
+    # lr 3e-4 is too slow (0.6-0.75 at v8), 6e-4 just reaches 0.9 at v8, 8e-4 by v4-v8
+    # (seed-dependent) with answer accuracy down 4-6 points by v8 on some seeds; 64 samples
+    # per version at 8e-4 reach 0.9 by v4-v6 on three seeds within 3 points of accuracy
+    # (a less noisy step, at about 1.5x the chat per round).
+    lr: float = 8e-4
+    kl_coef: float = 0.05
+    batch_size: int = 64
+    round_timeout_s: float = 900.0
+    engine_threads: int = 1
+    # Keep each method's database (its URL in <out>/<method>/database.txt) to query with SQL.
+    keep_db: bool = False
+    # Connect to a running stack instead of starting one per method.
+    proxy_url: str | None = None
+    engine_url: str | None = None
+    # What the simulated users say: the tiny world's phrasings (`corpus`) or the pool people
+    # wrote apart from the corpus and the judge's training set (`people`).
+    followups: str = "corpus"
+    # Judge with the frozen judge model on an engine of its own (`clawrl judge serve`), as
+    # `clawrl up --judge-engine` does, instead of the policy judging itself.
+    judge_engine: bool = False
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+
+def stack_env(config: EvalConfig, method: str) -> dict[str, str]:
+    """Trainer and judge settings of one method's stack (the same for every method but the
+    method). The judge works on as many turns at once as the users hold conversations, so
+    the engine batches its votes with the users' requests."""
+    return {"CLAWRL_JUDGE__CONCURRENCY": str(max(4, config.parallel * len(config.prefs)
+                                                 * config.users_per_pref)),"CLAWRL_TRAINER__METHOD": method, "CLAWRL_TRAINER__LR": str(config.lr),
+            "CLAWRL_TRAINER__KL_COEF": str(config.kl_coef),
+            "CLAWRL_TRAINER__BATCH_SIZE": str(config.batch_size),
+            "CLAWRL_TRAINER__MICRO_BATCH_SIZE": str(min(8, config.batch_size)),
+            # Full batches, normally: the eval chats until one is ready (one version per
+            # round); a batch that cannot fill (a policy that earns few corrections gives
+            # `opd` few hints) is trained PARTIAL_AFTER_S after its first sample arrived,
+            # about the time `max_chats` waves of chat take.
+            "CLAWRL_TRAINER__MAX_WAIT_S": str(PARTIAL_AFTER_S), "CLAWRL_TRAINER__POLL_S": "0.5",
+            "CLAWRL_TRAINER__SEED": str(config.seed)}

@@ -1,0 +1,179 @@
+"""One method's rounds against a running stack: the simulated users chat until the judge has
+a batch ready, wait for the trainer's next version, then probe held-out prompts.
+
+`loop_state`, `wait_judged` and `wait_published` are how a round knows where the loop is:
+judge jobs left, usable samples not yet trained, the newest version served.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from typing import Any
+
+from proxy.stack import StackError
+from trainer.eval.config import CONNECTED, EvalConfig
+from trainer.world.town import World
+
+
+async def run_rounds(config: EvalConfig, method: str, proxy_url: str, db_url: str,
+                     engine_url: str, on_round: Any) -> None:
+    """Create the users, then chat / wait for training / probe, round after round; each
+    round's probe rows go to `on_round`."""
+    from openai import AsyncOpenAI
+
+    from proxy import admin
+    from proxy.db import create_async
+    from trainer.world.simulate import SimUser, phrasings
+
+    says = phrasings(config.followups)
+
+    world = World.build(config.world_seed)
+    probe_prompts = random.Random(f"probes-{config.seed}").sample(
+        [q.text for q in world.heldout], min(config.probes, len(world.heldout)))
+    db = create_async(db_url)
+    users: list[SimUser] = []
+    try:
+        for i, pref in enumerate(p for p in config.prefs for _ in range(config.users_per_pref)):
+            name = f"sim-{i}-{pref}"
+            await admin.ensure_user(db, name)
+            # Unlimited (rate_limit_rpm=0): one simulated user stands for a crowd; the probes
+            # alone are `probes` requests at once, far over a person's per-minute limit.
+            key = await admin.create_key(db, name, name="clawrl eval", rate_limit_rpm=0)
+            client = AsyncOpenAI(base_url=f"{proxy_url}/v1", api_key=key.secret,
+                                 max_retries=2, timeout=600.0)
+            users.append(SimUser(name, pref, client, random.Random(f"user-{config.seed}-{i}"),
+                                 says=says))
+        started = time.monotonic()
+        for rnd in range(config.rounds + 1):
+            if rnd > 0 and method == "none":
+                for wave in range(-(-config.sessions // config.parallel)):
+                    await chat_wave(config, world, users, rnd, wave)
+            elif rnd > 0:
+                # Chat until a full batch is ready (the trainer only trains full batches),
+                # then wait for that version: one published version per round.
+                start = (await loop_state(db, method))[2]
+                # (about 16 samples per wave of 2 users x 4 sessions: scale with the batch)
+                for wave in range(config.max_chats * -(-config.batch_size // 32)):
+                    await chat_wave(config, world, users, rnd, wave)
+                    await wait_judged(db, method, config.round_timeout_s)
+                    _, ready, newest = await loop_state(db, method)
+                    if ready >= config.batch_size or newest > start:
+                        break
+                await wait_published(db, method, engine_url, start, config.round_timeout_s)
+            version = await _serving_version(engine_url)
+            trained = await _version_stats(db, version)
+            results = await asyncio.gather(*(u.probe(world, probe_prompts) for u in users))
+            on_round(method, rnd, [
+                {"method": method, "seed": config.seed, "round": rnd, "version": version,
+                 **trained, "user": user.name, "pref": user.pref,
+                 "satisfied": round(res.satisfied, 4), "correct": round(res.correct, 4),
+                 "examples": res.replies[:3], "wrong_examples": res.wrong[:5],
+                 "elapsed_s": round(time.monotonic() - started, 1)}
+                for user, res in zip(users, results, strict=True)])
+    finally:
+        for user in users:
+            await user.client.close()
+        await db.dispose()
+
+
+async def chat_wave(config: EvalConfig, world: World, users: list[Any], rnd: int,
+                    wave: int) -> None:
+    """`config.parallel` concurrent chat sessions per user, each with its own seeded RNG."""
+    await asyncio.gather(*(
+        user.chat_session(world, rng=random.Random(f"chat-{config.seed}-{user.name}-{rnd}-"
+                                                   f"{wave}-{k}"))
+        for user in users for k in range(config.parallel)))
+
+
+async def _version_stats(db: Any, version: str) -> dict[str, Any]:
+    """What the trainer recorded for the served version (empty for the base model)."""
+    from sqlalchemy import text
+
+    if not version.isdigit() or version == "0":
+        return {}
+    async with db.connect() as conn:
+        row = (await conn.execute(text(
+            "SELECT num_samples, loss, reward_mean FROM policy_versions WHERE version = :v"),
+            {"v": int(version)})).first()
+    return {} if row is None else {"train_samples": row[0], "train_loss": row[1],
+                                   "train_reward_mean": row[2]}
+
+
+async def _serving_version(engine_url: str) -> str:
+    import httpx
+
+    async with httpx.AsyncClient(timeout=10.0) as http:
+        info = (await http.get(f"{engine_url}/model_info")).json()
+    version = info.get("weight_version")
+    # The base model serves under the engine's initial label ("default"): call it version 0.
+    return "0" if version in (None, "default") else str(version)
+
+
+def run_connected(config: EvalConfig, on_round: Any) -> None:
+    """Measure an already running stack (its own trainer and method) over `--rounds`."""
+    from proxy.settings import load_settings
+
+    settings = load_settings()
+    if settings.database.url is None or not (config.proxy_url and config.engine_url):
+        raise StackError("--proxy-url needs CLAWRL_DATABASE__URL (to create the users' keys)")
+    db_url = settings.database.url.get_secret_value()
+    proxy_url = config.proxy_url.rstrip("/").removesuffix("/v1")
+    asyncio.run(run_rounds(config, CONNECTED, proxy_url, db_url,
+                           config.engine_url.rstrip("/"), on_round))
+
+
+# Samples the trainer will use under each method (the others it skips when it meets them).
+USABLE = {"rl": "reward IS NOT NULL", "opd": "teacher_logprobs IS NOT NULL",
+          "combine": "(reward IS NOT NULL OR teacher_logprobs IS NOT NULL)"}
+
+
+async def loop_state(db: Any, method: str) -> tuple[int, int, int]:
+    """(judge jobs queued or running, usable samples not yet trained, newest published
+    version or 0)."""
+    from sqlalchemy import text
+
+    sql = f"""
+    SELECT
+      (SELECT count(*) FROM jobs WHERE kind = 'judge' AND status IN ('queued', 'running')),
+      (SELECT count(*) FROM samples WHERE trained_step IS NULL AND skipped_reason IS NULL
+         AND {USABLE.get(method, "true")}),
+      (SELECT coalesce(max(version), 0) FROM policy_versions WHERE published_at IS NOT NULL)
+    """
+    async with db.connect() as conn:
+        jobs, samples, newest = (await conn.execute(text(sql))).one()
+    return int(jobs), int(samples), int(newest)
+
+
+async def wait_judged(db: Any, method: str, timeout_s: float, poll_s: float = 1.0) -> None:
+    """Wait until no judge job is queued or running, twice in a row (turns reach the
+    database a moment after their responses: the proxy writes them in the background)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    quiet = 0
+    while loop.time() < deadline:
+        await asyncio.sleep(poll_s)
+        jobs = (await loop_state(db, method))[0]
+        quiet = quiet + 1 if jobs == 0 else 0
+        if quiet >= 2:
+            return
+    raise StackError(f"the judge did not finish within {timeout_s:.0f} s ({jobs} jobs left)")
+
+
+async def wait_published(db: Any, method: str, engine_url: str, after: int,
+                         timeout_s: float, poll_s: float = 1.0) -> int:
+    """Wait until a version newer than `after` is published and the engine serves it."""
+    import httpx
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    async with httpx.AsyncClient(timeout=10.0) as http:
+        while loop.time() < deadline:
+            await asyncio.sleep(poll_s)
+            newest = (await loop_state(db, method))[2]
+            serving = (await http.get(f"{engine_url}/model_info")).json().get("weight_version")
+            if newest > after and str(newest) == str(serving):
+                return newest
+    raise StackError(f"the trainer published nothing after v{after} within {timeout_s:.0f} s "
+                     "(see its log)")
