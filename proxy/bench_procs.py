@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -26,10 +27,28 @@ import httpx
 HOST = "127.0.0.1"
 
 
+# Ports are handed out below Linux's ephemeral range (32768-60999). A port from bind(0) is an
+# ephemeral one, and between this check and the server's own bind any outgoing connection on
+# the machine may take it (CI saw a proxy fail "address already in use" that way).
+_PORTS = range(20000, 32000)
+_given: set[int] = set()
+_rng = random.SystemRandom()  # never a seeded sequence another process would repeat
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
+    """A port on HOST that binds now, outside the ephemeral range, not handed out before."""
+    for _ in range(500):
+        port = _rng.choice(_PORTS)
+        if port in _given:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((HOST, port))
+            except OSError:
+                continue
+        _given.add(port)
+        return port
+    raise RuntimeError(f"no free port in {_PORTS.start}-{_PORTS.stop - 1} on {HOST}")
 
 
 def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 60.0) -> None:

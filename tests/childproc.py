@@ -4,19 +4,15 @@ engine, SGLang's serving code) that is waited for and stopped (only it) at teard
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import time
 from pathlib import Path
 
 import httpx
 
+from proxy.bench_procs import free_port
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+__all__ = ["ChildServer", "free_port"]
 
 
 class ChildServer:

@@ -8,7 +8,6 @@ distributed checkpoint.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from collections.abc import Callable
@@ -22,6 +21,8 @@ from sqlalchemy import select
 from sqlalchemy.engine import Engine
 
 pytest.importorskip("megatron.core")
+
+from childproc import free_port  # noqa: E402
 
 from proxy.db import PolicyVersion, TrainingStep  # noqa: E402
 from trainer.backends.megatron import MegatronBackend  # noqa: E402
@@ -41,12 +42,6 @@ def rollout(url: str, prompt: list[int]) -> dict[str, Any]:
     return {"prompt_ids": prompt, "response_ids": [t[1] for t in meta["output_token_logprobs"]],
             "rollout_logprobs": [t[0] for t in meta["output_token_logprobs"]],
             "weight_version": meta["weight_version"]}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def test_megatron_backend_trains_publishes_and_resumes(
