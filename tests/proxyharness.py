@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import json
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +39,19 @@ def closed_port_url() -> str:
 
 def libpq(db_url: str) -> str:
     return make_url(db_url).set(drivername="postgresql").render_as_string(hide_password=False)
+
+
+@contextlib.contextmanager
+def turns_locked(db_url: str) -> Iterator[None]:
+    """`turns` held ACCESS EXCLUSIVE by another connection for the block: every commit of a
+    turn stalls (a stalled database) until it ends."""
+    locker = psycopg.connect(libpq(db_url))
+    locker.execute("LOCK TABLE turns IN ACCESS EXCLUSIVE MODE")
+    try:
+        yield
+    finally:
+        locker.rollback()
+        locker.close()
 
 
 def create_user(db_url: str, name: str, *, train_opt_out: bool = False,

@@ -18,8 +18,7 @@ import time
 from pathlib import Path
 
 import httpx
-import psycopg
-from proxyharness import ProxyFactory, create_user, libpq, query
+from proxyharness import ProxyFactory, create_user, query, turns_locked
 
 ROOT = Path(__file__).resolve().parents[2]
 ADMIN_URL = os.environ.get("CLAWRL_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
@@ -60,10 +59,8 @@ async def test_stalled_database_journals_at_once(proxy_factory: ProxyFactory,
     proxy = await proxy_factory(engine_url)
     writer = proxy.app.state.writer
     _, key = create_user(db_url, "alice")
-    locker = psycopg.connect(libpq(db_url))
-    locker.execute("LOCK TABLE turns IN ACCESS EXCLUSIVE MODE")
     served, ages = [], []
-    try:
+    with turns_locked(db_url):
         async with httpx.AsyncClient(base_url=proxy.url, timeout=60,
                                      headers={"Authorization": f"Bearer {key}"}) as http:
             for i in range(3):
@@ -78,9 +75,6 @@ async def test_stalled_database_journals_at_once(proxy_factory: ProxyFactory,
                 ages.append(time.monotonic() - at)
         assert writer.journal.pending == 3 and writer.rescued == 3
         assert max(ages) < 1.0, ages
-    finally:
-        locker.rollback()
-        locker.close()
     await proxy.settle()
     rows = query(db_url, "SELECT uid::text FROM turns ORDER BY id")
     assert [r[0] for r in rows] == served
@@ -93,9 +87,7 @@ async def test_sync_reply_waits_for_the_journal(proxy_factory: ProxyFactory, db_
     proxy = await proxy_factory(engine_url, durability="sync")
     writer = proxy.app.state.writer
     _, key = create_user(db_url, "bob")
-    locker = psycopg.connect(libpq(db_url))
-    locker.execute("LOCK TABLE turns IN ACCESS EXCLUSIVE MODE")
-    try:
+    with turns_locked(db_url):
         async with httpx.AsyncClient(base_url=proxy.url, timeout=60,
                                      headers={"Authorization": f"Bearer {key}"}) as http:
             ask = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "x"}]}
@@ -108,8 +100,5 @@ async def test_sync_reply_waits_for_the_journal(proxy_factory: ProxyFactory, db_
                         break
                 else:
                     raise AssertionError("no [DONE]")
-    finally:
-        locker.rollback()
-        locker.close()
     await proxy.settle()
     assert query(db_url, "SELECT count(*) FROM turns") == [(2,)]

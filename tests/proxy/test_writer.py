@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import psycopg
 import pytest
-from proxyharness import ProxyFactory, RunningProxy, create_user, libpq, query
+from proxyharness import ProxyFactory, RunningProxy, create_user, libpq, query, turns_locked
 
 from proxy.journal import Journal
 from proxy.records import TurnRecord
@@ -156,9 +156,7 @@ async def test_backlog_bound_spills_to_journal_and_unreadies(
     writer.retry_s = 0.2
     writer.durable_within_s = 600.0  # the bound alone (the guard would journal them first)
     _, key = create_user(db_url, "alice")
-    locker = psycopg.connect(libpq(db_url))
-    locker.execute("LOCK TABLE turns IN ACCESS EXCLUSIVE MODE")
-    try:
+    with turns_locked(db_url):
         async with httpx.AsyncClient(base_url=proxy.url, timeout=60,
                                      headers={"Authorization": f"Bearer {key}"}) as http:
             served = []
@@ -170,9 +168,6 @@ async def test_backlog_bound_spills_to_journal_and_unreadies(
             assert writer.spilled >= 2 and writer.backlog < writer.backlog_max
             spilled = await metric(proxy, "clawrl_turns_spilled_total")
             assert spilled == writer.spilled
-    finally:
-        locker.rollback()
-        locker.close()
     await wait_for(lambda: writer.backlog == 0 and writer.journal.pending == 0)
     rows = query(db_url, "SELECT uid::text FROM turns ORDER BY id")
     assert [r[0] for r in rows] == served
@@ -184,18 +179,13 @@ async def test_unready_while_backlog_full(proxy_factory: ProxyFactory, db_url: s
     writer = proxy.app.state.writer
     writer.durable_within_s = 600.0  # the bound alone (the guard would journal them first)
     _, key = create_user(db_url, "alice")
-    locker = psycopg.connect(libpq(db_url))
-    locker.execute("LOCK TABLE turns IN ACCESS EXCLUSIVE MODE")
-    try:
+    with turns_locked(db_url):
         async with httpx.AsyncClient(base_url=proxy.url, timeout=60,
                                      headers={"Authorization": f"Bearer {key}"}) as http:
             assert (await http.post(CHAT, json=say("stuck"))).status_code == 200
             await wait_for(lambda: writer.backlog == 1)
             ready = await http.get("/readyz")
             assert ready.status_code == 503 and ready.json()["turn_log_backlog"] == 1
-    finally:
-        locker.rollback()
-        locker.close()
     await proxy.settle()
     async with httpx.AsyncClient(base_url=proxy.url) as http:
         assert (await http.get("/readyz")).status_code == 200
