@@ -255,8 +255,13 @@ def test_defaults_and_the_small_run() -> None:
     full = cli.parse_args([])
     assert (full.batch_size, full.rounds, full.methods, full.seeds) == (64, 8, evalconfig.METHODS, (0,))
     assert not full.keep_db
+    # The full run is judged by the judge model, its users speak the pool written apart.
+    assert (full.judge_engine, full.followups) == (True, "people")
     small = cli.parse_args(["--small", "--seeds", "3,4", "--keep-db"])
     assert (small.batch_size, small.rounds, small.methods) == (32, 4, ("combine", "none"))
+    assert (small.judge_engine, small.followups) == (False, "corpus")
+    chosen = cli.parse_args(["--no-judge-engine", "--followups", "issue"])
+    assert (chosen.judge_engine, chosen.followups) == (False, "issue")
     assert small.seeds == (3, 4) and small.seed == 3 and small.keep_db
     assert small.model.name == "tinyworld-ci"
 

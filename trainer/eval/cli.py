@@ -4,10 +4,12 @@
                 [--prefs lowercase,brief] [--seeds 0,1,2] [--out runs/eval-...]
 
 For each method, on the same seeds: start a fresh stack (Postgres database, embedded engine
-serving the pretrained tiny world model, proxy, judge worker, and — except for `none` — the
-trainer with that method), create one user and API key per simulated user, then repeat for
-`--rounds` rounds: the users chat (trainer/world/simulate.py: questions, corrections of their hidden
-preference, praise) until the judge has produced a full training batch; the trainer trains
+serving the pretrained tiny world model, proxy, and — except for `none` — the judge engine
+with the frozen judge model (`--no-judge-engine`: the policy judges itself), the judge worker
+and the trainer with that method), create one user and API key per simulated user, then
+repeat for `--rounds` rounds: the users chat (trainer/world/simulate.py: questions,
+corrections of their hidden preference, praise; in words from `--followups`, by default the
+pool people wrote apart from the corpus and the judge's training set) until the judge has produced a full training batch; the trainer trains
 it and publishes the next weight version (one version per round; the trainer is told to
 train full batches, or a partial one after 45 s
 when the users stop producing signal); then every user probes held-out prompts as side turns. Round 0 is
@@ -28,7 +30,7 @@ round each preference reaches 0.9, and how far answer accuracy fell below the ba
 The model defaults to `<state_dir>/models/tinyworld` (built with `clawrl tinyworld build`
 when missing); `--small` is a CI-sized run: the CI-sized build (`tinyworld build --ci`,
 `<state_dir>/models/tinyworld-ci`), `combine` against `none`, one lowercase-loving user, 4
-rounds, 32 samples per version. Postgres: `CLAWRL_DATABASE__URL`
+rounds, 32 samples per version, corpus follow-ups and the policy judging itself. Postgres: `CLAWRL_DATABASE__URL`
 (a fresh database per method is created on that server), else an embedded server per method.
 """
 
@@ -82,14 +84,17 @@ def parse_args(argv: list[str]) -> EvalConfig:
     p.add_argument("--keep-db", action="store_true",
                    help="keep each method's database (URL in <out>/<method>/database.txt) "
                         "to look at turns, judgments and hints with SQL afterwards")
-    p.add_argument("--followups", choices=("corpus", "people", "issue"), default="corpus",
+    p.add_argument("--followups", choices=("corpus", "people", "issue"), default=None,
                    help="what the simulated users say: the tiny world's phrasings, a pool "
-                        "people wrote apart from the corpus and the judge's training set, or "
-                        "the judge issue's user (\"thanks, perfect.\" / \"please answer in "
-                        "lowercase only, no capital letters.\"; --prefs lowercase)")
-    p.add_argument("--judge-engine", action="store_true",
-                   help="judge with the frozen judge model on its own engine (as clawrl up "
-                        "--judge-engine), not the policy model judging itself")
+                        "people wrote apart from the corpus and the judge's training set "
+                        "(the default), or the judge issue's user (\"thanks, perfect.\" / "
+                        "\"please answer in lowercase only, no capital letters.\"; --prefs "
+                        "lowercase); --small: corpus")
+    p.add_argument("--judge-engine", action=argparse.BooleanOptionalAction, default=None,
+                   help="judge with the frozen judge model on its own engine, as clawrl up "
+                        "does (the default); --no-judge-engine: the policy model judges "
+                        "itself (the --small default: the CI-sized run starts one engine "
+                        "less)")
     p.add_argument("--out", type=Path, default=None, help="output dir (default runs/eval-TIME)")
     p.add_argument("--proxy-url", help="connect to a running stack's proxy (with --engine-url "
                    "and CLAWRL_DATABASE__URL) instead of starting one per method")
@@ -99,6 +104,10 @@ def parse_args(argv: list[str]) -> EvalConfig:
         args.methods = "combine,none" if args.small else ",".join(METHODS)
     if args.prefs is None:
         args.prefs = "lowercase" if args.small else "lowercase,brief"
+    if args.followups is None:
+        args.followups = "corpus" if args.small else "people"
+    if args.judge_engine is None:
+        args.judge_engine = not args.small
     if args.rounds is None:
         args.rounds = SMALL_ROUNDS if args.small else 8
     if args.batch_size is None:
@@ -135,6 +144,7 @@ def parse_args(argv: list[str]) -> EvalConfig:
                       round_timeout_s=args.round_timeout, proxy_url=args.proxy_url,
                       keep_db=args.keep_db, followups=args.followups,
                       engine_url=args.engine_url, judge_engine=args.judge_engine,
+                      judge_state_dir=state,
                       extra_env={"SMALL": "1"} if args.small else {})
 
 

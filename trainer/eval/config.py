@@ -53,12 +53,16 @@ class EvalConfig:
     # Connect to a running stack instead of starting one per method.
     proxy_url: str | None = None
     engine_url: str | None = None
-    # What the simulated users say: the tiny world's phrasings (`corpus`) or the pool people
-    # wrote apart from the corpus and the judge's training set (`people`).
-    followups: str = "corpus"
+    # What the simulated users say: the pool people wrote apart from the corpus and the
+    # judge's training set (`people`), the tiny world's phrasings (`corpus`) or the judge
+    # issue's user (`issue`).
+    followups: str = "people"
     # Judge with the frozen judge model on an engine of its own (`clawrl judge serve`), as
-    # `clawrl up --judge-engine` does, instead of the policy judging itself.
-    judge_engine: bool = False
+    # `clawrl up` does; False: the policy judges itself.
+    judge_engine: bool = True
+    # Where the judge model is pulled and merged, once for every run: the user's state dir
+    # (None: the run's own `out`).
+    judge_state_dir: Path | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
 
 

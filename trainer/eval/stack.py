@@ -92,7 +92,8 @@ def run_method(config: EvalConfig, method: str,
             if config.judge_engine:
                 judge_port = free_port()
                 judge = stack.start("judge-engine", [
-                    "judge", "serve", "--state-dir", str(config.out.resolve()),
+                    "judge", "serve",
+                    "--state-dir", str((config.judge_state_dir or config.out).resolve()),
                     "--host", HOST, "--port", str(judge_port),
                     "--threads", str(config.engine_threads)])
                 wait_healthy(stack, judge, f"http://{HOST}:{judge_port}/health", 600.0)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from judge.prompts import check_version
 from trainer.judgemodel.build import BuildConfig
+from trainer.judgemodel.model import DTYPES, JUDGE_DTYPE
 from trainer.pretrained import PullError
 
 
@@ -50,6 +51,7 @@ def main(argv: list[str]) -> int:
     e.add_argument("--votes", type=int, default=3)
     e.add_argument("--port", type=int, default=30071)
     e.add_argument("--threads", type=int, default=1, help="engine torch threads")
+    e.add_argument("--dtype", choices=DTYPES, default=JUDGE_DTYPE, help="engine weights")
     e.add_argument("--adapter", type=Path, default=None)
     e.add_argument("--json", type=Path, default=None, help="also write the figures here")
     e.add_argument("--dev", type=int, default=0, metavar="N",
@@ -63,6 +65,9 @@ def main(argv: list[str]) -> int:
     v.add_argument("--host", default="127.0.0.1")
     v.add_argument("--port", type=int, default=30001)
     v.add_argument("--threads", type=int, default=1, help="engine torch threads")
+    v.add_argument("--dtype", choices=DTYPES, default=JUDGE_DTYPE,
+                   help="engine weights (bfloat16: the same answers as float32 on the dev "
+                        "set, fewer bytes read per token; docs/judge.md)")
     args = p.parse_args(argv)
     state = Path(args.state_dir)
     try:
@@ -86,14 +91,15 @@ def main(argv: list[str]) -> int:
             model = ensure_judge_model(state)
             return engine_main(["--model", str(model), "--host", args.host,
                                 "--port", str(args.port), "--served-model-name", "judge",
-                                "--threads", str(args.threads)])
+                                "--threads", str(args.threads), "--dtype", args.dtype])
         from trainer.judgemodel.evaluate import evaluate, print_report
 
         chosen = {"prm_mode": args.prm_mode, "hint_votes": args.hint_votes,
                   "prompt_version": args.prompt_version,
                   "temperature": args.temperature}
         report = evaluate(state, limit=args.limit, votes=args.votes, port=args.port,
-                          threads=args.threads, adapter=args.adapter, dev=args.dev,
+                          threads=args.threads, dtype=args.dtype, adapter=args.adapter,
+                          dev=args.dev,
                           overrides={k: v for k, v in chosen.items() if v is not None})
         print_report(report)
         if args.json:
