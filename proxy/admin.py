@@ -25,9 +25,11 @@ import asyncio
 import datetime as dt
 import hmac
 import logging
+import shutil
 import sys
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request, Response
@@ -41,7 +43,18 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from proxy.auth import bearer_token, generate_key, hash_secret, parse_prefix
 from proxy.console import print_csv, print_table, run_cli, run_readonly_sql
-from proxy.db import ApiKey, DeadLetter, Judgment, Sample, Turn, User, create_async
+from proxy.db import (
+    AdapterVersion,
+    ApiKey,
+    DeadLetter,
+    Judgment,
+    Sample,
+    Turn,
+    User,
+    UserAdapter,
+    create_async,
+)
+from proxy.engine_client import EngineClient, EngineClientError
 from proxy.errors import (
     BadRequest,
     ClawrlError,
@@ -51,7 +64,7 @@ from proxy.errors import (
     Unavailable,
 )
 from proxy.journal import Journal
-from proxy.settings import load_settings
+from proxy.settings import EngineSettings, load_settings
 
 log = logging.getLogger("clawrl.proxy.admin")
 
@@ -161,15 +174,22 @@ async def list_users(db: AsyncEngine) -> list[UserInfo]:
     return [_user(r) for r in rows]
 
 
-async def delete_user(db: AsyncEngine, name: str,
-                      journal: Journal | None = None) -> dict[str, int]:
-    """Delete a user and, by cascade, their keys, sessions, turns, judgments and samples;
-    also their dead letters and, when given, their turns waiting in the local journal."""
+async def delete_user(db: AsyncEngine, name: str, journal: Journal | None = None,
+                      engine: EngineSettings | None = None) -> dict[str, int]:
+    """Delete a user and, by cascade, their keys, sessions, turns, judgments, samples,
+    training steps and adapter versions; also their dead letters, when given their turns
+    waiting in the local journal, and their personal adapters: unloaded from `engine` and
+    their folders deleted (a trainer on another machine deletes the folders it holds for
+    users that no longer exist: trainer/personal.py)."""
     async with db.begin() as conn:
         user_id = (await conn.execute(
             select(User.id).where(User.name == name).with_for_update())).scalar()
         if user_id is None:
             raise NotFound(f"No user named {name!r}.", code="user_not_found")
+        adapter = (await conn.execute(
+            select(UserAdapter.name).where(UserAdapter.user_id == user_id))).scalar()
+        paths = (await conn.execute(
+            select(AdapterVersion.path).where(AdapterVersion.user_id == user_id))).scalars().all()
         turns = select(Turn.id).where(Turn.user_id == user_id).scalar_subquery()
         counts = {
             "turns": (await conn.execute(
@@ -178,6 +198,7 @@ async def delete_user(db: AsyncEngine, name: str,
                 select(func.count()).where(Judgment.turn_id.in_(turns)))).scalar_one(),
             "samples": (await conn.execute(
                 select(func.count()).where(Sample.user_id == user_id))).scalar_one(),
+            "adapter_versions": len(paths),
         }
         # A turn's dead letter is its record as JSON, which starts with uid and user_id
         # (proxy/store.py); matched as text, since a payload need not be valid jsonb.
@@ -188,7 +209,32 @@ async def delete_user(db: AsyncEngine, name: str,
     if journal is not None:
         # In a thread: it waits for a replay in progress, possibly this process's own.
         counts["journaled_turns"] = await asyncio.to_thread(journal.forget_user, user_id)
+    if adapter is not None and engine is not None:
+        counts["adapters_unloaded"] = await _unload(engine, adapter)
+    counts["adapter_folders"] = await asyncio.to_thread(
+        _remove_folders, {Path(p).parent for p in paths})
     return counts
+
+
+async def _unload(engine: EngineSettings, name: str) -> int:
+    """Unload a deleted user's adapter; 0 when the engine does not have it or is down (it
+    forgets adapters on restart, and nobody can be served with it any more: the user and
+    `user_adapters` row are gone)."""
+    try:
+        async with EngineClient.from_settings(engine) as client:
+            return int(await client.unload_lora_adapter(name))
+    except EngineClientError as exc:
+        log.warning("deleted user's adapter %s not unloaded: %s", name, exc.message)
+        return 0
+
+
+def _remove_folders(folders: set[Path]) -> int:
+    removed = 0
+    for folder in folders:
+        if folder.is_dir():
+            shutil.rmtree(folder)
+            removed += 1
+    return removed
 
 
 async def set_opt_out(db: AsyncEngine, name: str, *, training: bool | None = None,
@@ -356,7 +402,8 @@ async def http_update_user(name: str, body: UserUpdate, db: Admin,
 @admin_router.delete("/users/{name}")
 async def http_delete_user(name: str, db: Admin, request: Request) -> dict[str, Any]:
     writer = getattr(request.app.state, "writer", None)
-    counts = await delete_user(db, name, writer.journal if writer is not None else None)
+    counts = await delete_user(db, name, writer.journal if writer is not None else None,
+                               request.app.state.settings.engine)
     _invalidate(request)
     return {"name": name, "deleted": True, **counts}
 
@@ -453,8 +500,10 @@ def users_main(argv: list[str]) -> int:
         elif args.cmd == "list":
             _print_users(await list_users(db))
         elif args.cmd == "delete":
-            where = load_settings().journal_file()
-            counts = await delete_user(db, args.name, Journal(where) if where.is_dir() else None)
+            settings = load_settings()
+            where = settings.journal_file()
+            counts = await delete_user(db, args.name, Journal(where) if where.is_dir() else None,
+                                       settings.engine)
             print(f"deleted user {args.name}: " + ", ".join(f"{v} {k}" for k, v in counts.items()))
         else:
             flag = args.cmd == "opt-out"

@@ -101,7 +101,9 @@ async def lookup_principal(db: AsyncEngine, full_key: str) -> Principal:
                    ApiKey.max_concurrent, ApiKey.rate_limit_tpm,
                    UserAdapter.name, UserAdapter.version)
             .join(User, User.id == ApiKey.user_id)
-            .outerjoin(UserAdapter, (UserAdapter.user_id == User.id) & UserAdapter.loaded)
+            # A user who opted out of training has no adapter (the trainer also removes it).
+            .outerjoin(UserAdapter, (UserAdapter.user_id == User.id) & UserAdapter.loaded
+                       & ~User.train_opt_out)
             .where(ApiKey.prefix == prefix)
         )).first()
     # Compare even when the prefix is unknown, so timing does not reveal which prefixes exist.

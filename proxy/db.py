@@ -12,6 +12,7 @@ Tables and who writes them:
 - judgments                            judge (reward, every raw vote, hint, teacher logprobs)
 - samples                              judge writes one per judged, trainable turn; trainer claims
 - training_steps, policy_versions      trainer
+- adapter_versions                     trainer in personal mode (every saved user adapter)
 - user_adapters                        whoever publishes per-user LoRA adapters (the trainer);
                                        the proxy reads it to pick a user's adapter
 """
@@ -297,6 +298,8 @@ class TrainingStep(Base):
     tokens_per_s: Mapped[float | None] = mapped_column(Double)
     metrics: Mapped[Any] = mapped_column(JSONB, server_default=text("'{}'::jsonb"))
     created_at: Mapped[dt.datetime] = _now()
+    # Personal mode: the user whose adapter this step trained; NULL: the shared model.
+    user_id: Mapped[int | None] = mapped_column(ForeignKey("users.id", ondelete="CASCADE"))
 
 
 class PolicyVersion(Base):
@@ -335,6 +338,27 @@ class UserAdapter(Base):
     path: Mapped[str] = mapped_column(Text)
     loaded: Mapped[bool] = mapped_column(Boolean, server_default=text("false"))
     updated_at: Mapped[dt.datetime] = _now()
+
+
+class AdapterVersion(Base):
+    """One saved version of a user's personal LoRA adapter (docs/trainer.md, "Personal
+    adapters"): its folder, 'saved' -> 'published' (loaded into the engine and named in
+    `user_adapters`) or 'retired' (rolled back past, or pruned)."""
+
+    __tablename__ = "adapter_versions"
+
+    user_id: Mapped[int] = mapped_column(ForeignKey("users.id", ondelete="CASCADE"),
+                                         primary_key=True)
+    version: Mapped[int] = mapped_column(Integer, primary_key=True)
+    step: Mapped[int | None] = mapped_column(Integer)
+    path: Mapped[str] = mapped_column(Text)
+    status: Mapped[str] = mapped_column(String(16))
+    num_samples: Mapped[int] = mapped_column(Integer, server_default=text("0"))
+    loss: Mapped[float | None] = mapped_column(Double)
+    reward_mean: Mapped[float | None] = mapped_column(Double)
+    stats: Mapped[Any] = mapped_column(JSONB, server_default=text("'{}'::jsonb"))
+    created_at: Mapped[dt.datetime] = _now()
+    published_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
 
 
 def sync_url(url: str) -> str:

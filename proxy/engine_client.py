@@ -270,6 +270,26 @@ class EngineClient:
         _raise_for_status(response)
         raise EngineProtocolError("/update_weights_from_disk: answer lacks 'success'")
 
+    async def unload_lora_adapter(self, name: str) -> bool:
+        """Unload a LoRA adapter (it waits for the requests using it); False when the engine
+        does not have it."""
+        response = await self._request("POST", "/unload_lora_adapter", check=False,
+                                       json_body={"lora_name": name})
+        try:
+            body = response.json()
+        except ValueError:
+            body = None
+        if isinstance(body, dict) and "success" in body:
+            if body["success"]:
+                return True
+            message = str(body.get("error_message", ""))
+            if absent_adapter(message):
+                return False
+            raise EngineBadRequest(f"/unload_lora_adapter {name}: {message}",
+                              status=response.status_code)
+        _raise_for_status(response)
+        raise EngineProtocolError("/unload_lora_adapter: answer lacks 'success'")
+
     async def pause(self, mode: Literal["abort", "retract", "in_place"] = "abort") -> None:
         await self._json("POST", "/pause_generation", {"mode": mode})
 
@@ -291,6 +311,13 @@ class EngineClient:
             return "busy"
         _raise_for_status(response)
         return "ok"
+
+
+def absent_adapter(message: str) -> bool:
+    """An engine's refusal that only says the adapter is not there (SGLang: "... does not
+    exist ...", "... is not loaded"; `clawrl engine` says the same)."""
+    lowered = message.lower()
+    return "does not exist" in lowered or "not loaded" in lowered
 
 
 def _message_from(chunk: dict[str, Any]) -> str:

@@ -77,6 +77,13 @@ class TrainerSettings(BaseModel):
     lora: LoraSettings = LoraSettings()
     # Keep optimizer state in only the newest K checkpoints (weights are kept until prune).
     keep_trainer_states: int = Field(default=2, ge=1)
+    # Personal mode (docs/trainer.md, "Personal adapters"): one LoRA adapter per user, trained
+    # on that user's samples only and served to that user; the shared model is not trained.
+    # Needs the torch backend; `lora` sets the adapters' rank and target modules.
+    personal: bool = False
+    # Personal mode: folders kept per user (the served version is never deleted); older ones
+    # are deleted and their versions marked 'retired'.
+    keep_adapter_versions: int = Field(default=3, ge=1)
 
     # Publishing to the engine (`/update_weights_from_disk`).
     publish_attempts: int = Field(default=5, ge=1)
@@ -91,6 +98,10 @@ class TrainerSettings(BaseModel):
     def _check(self) -> TrainerSettings:
         if self.micro_batch_size > self.batch_size:
             self.micro_batch_size = self.batch_size
+        if self.personal and self.backend != "torch":
+            raise ValueError("personal mode (one LoRA adapter per user) needs the torch backend")
+        if self.personal and not self.lora.enabled:
+            self.lora = self.lora.model_copy(update={"enabled": True})
         return self
 
 

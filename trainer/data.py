@@ -74,6 +74,14 @@ class SampleRow:
     outcome: float | None = None  # the session's outcome when the batch was claimed
 
 
+def row_version(row: Any, personal: bool) -> int:
+    """The version that generated a sample: the shared model's, or in personal mode the
+    user's adapter version that served the turn (0: the base model)."""
+    if personal:
+        return int(row.adapter_version or 0)
+    return parse_version(row.weight_version)
+
+
 def skip_reason(row: Any, cfg: TrainerSettings, limits: ModelLimits, current: int) -> str | None:
     """Why this sample row can't be trained (None: it can). Cheapest checks first."""
     if row.train_opt_out:
@@ -83,7 +91,7 @@ def skip_reason(row: Any, cfg: TrainerSettings, limits: ModelLimits, current: in
     use_outcome = cfg.outcome_weight > 0 and row.outcome is not None
     if not (use_rl or use_opd or use_outcome):
         return "no_signal"
-    if current - parse_version(row.weight_version) > cfg.max_staleness:
+    if current - row_version(row, cfg.personal) > cfg.max_staleness:
         return "stale"
     prompt, resp = row.prompt_ids or [], row.response_ids or []
     if not prompt:
@@ -216,11 +224,12 @@ class Claim:
         self.conn.close()
 
 
-def _select_ready(limit: int, outcome_wait_s: float = 0.0) -> Any:
+def _select_ready(limit: int, outcome_wait_s: float = 0.0, user_id: int | None = None) -> Any:
     query = (
         select(SAMPLES.c.id, SAMPLES.c.prompt_ids, SAMPLES.c.response_ids,
                SAMPLES.c.rollout_logprobs, SAMPLES.c.teacher_logprobs, SAMPLES.c.reward,
-               SAMPLES.c.weight_version, USERS.c.train_opt_out, SESSIONS.c.outcome)
+               SAMPLES.c.weight_version, TURNS.c.adapter_version, USERS.c.train_opt_out,
+               SESSIONS.c.outcome)
         .join(USERS, USERS.c.id == SAMPLES.c.user_id)
         .join(TURNS, TURNS.c.id == SAMPLES.c.turn_id)
         .outerjoin(SESSIONS, SESSIONS.c.id == TURNS.c.session_id)
@@ -234,6 +243,8 @@ def _select_ready(limit: int, outcome_wait_s: float = 0.0) -> Any:
             outcome_wait_s=outcome_wait_s)
         query = query.where(or_(SESSIONS.c.outcome.is_not(None),
                                 SAMPLES.c.created_at <= cutoff))
+    if user_id is not None:  # personal mode: one user's samples only
+        query = query.where(SAMPLES.c.user_id == user_id)
     return query
 
 
@@ -245,8 +256,10 @@ def claim_batch(
     *,
     should_stop: Callable[[], bool] = lambda: False,
     give_up_after_s: float | None = None,
+    user_id: int | None = None,
 ) -> tuple[Claim | None, Counter[str]]:
-    """Wait for and lock up to `cfg.batch_size` trainable samples.
+    """Wait for and lock up to `cfg.batch_size` trainable samples (of `user_id` only, when
+    given: personal mode).
 
     Returns (claim, skipped counts). A full batch is returned at once; a partial one after it
     has waited `max_wait_s` since its first sample appeared. Unusable rows met on the way are
@@ -259,7 +272,7 @@ def claim_batch(
     while not should_stop():
         conn = db.connect()
         conn.begin()
-        rows = conn.execute(_select_ready(cfg.batch_size, cfg.outcome_wait_s)).all()
+        rows = conn.execute(_select_ready(cfg.batch_size, cfg.outcome_wait_s, user_id)).all()
         reasons = [(r.id, skip_reason(r, cfg, limits, current_version)) for r in rows]
         bad = [(i, why) for i, why in reasons if why is not None]
         if bad:
@@ -280,7 +293,7 @@ def claim_batch(
             samples = [SampleRow(r.id, list(r.prompt_ids), list(r.response_ids),
                                  list(r.rollout_logprobs),
                                  None if r.teacher_logprobs is None else list(r.teacher_logprobs),
-                                 r.reward, parse_version(r.weight_version), r.outcome)
+                                 r.reward, row_version(r, cfg.personal), r.outcome)
                        for r in rows]
             batch = collate(samples, current_version)
             return Claim(conn, batch, [s.reward for s in samples], skipped,
@@ -299,9 +312,11 @@ def record_step(
     step: dict[str, Any],
     version: dict[str, Any] | None,
     trained: bool,
+    versions: Table = VERSIONS,
 ) -> None:
-    """Commit the step: training_steps row, policy_versions row (status 'saved'), and the
-    samples marked — all in the claim's transaction, so they land together or not at all.
+    """Commit the step: training_steps row, the version row (status 'saved'; in
+    `policy_versions`, or `adapter_versions` for a personal step), and the samples marked —
+    all in the claim's transaction, so they land together or not at all.
 
     `trained=False` (a skipped NaN/inf step) marks the samples 'nonfinite' instead of trained,
     so a poisoned batch is not retried forever.
@@ -309,7 +324,7 @@ def record_step(
     conn = claim.conn
     conn.execute(insert(STEPS).values(**step))
     if version is not None:
-        conn.execute(insert(VERSIONS).values(**version))
+        conn.execute(insert(versions).values(**version))
     ids = claim.batch.sample_ids
     values: dict[str, Any] = (
         {"trained_step": step["step"]} if trained

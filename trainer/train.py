@@ -30,6 +30,7 @@ from statistics import mean
 from typing import Any
 
 import httpx
+from pydantic import ValidationError
 from sqlalchemy import func, select, update
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import OperationalError
@@ -257,6 +258,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--once", action="store_true",
                    help="train one batch from what is ready (waits at most max_wait_s), exit")
     p.add_argument("--max-steps", type=int, help="stop after N ok (saved) steps")
+    p.add_argument("--personal", action="store_true", default=None,
+                   help="one LoRA adapter per user, trained on that user's samples only "
+                        "(trainer/personal.py)")
     return p
 
 
@@ -270,9 +274,16 @@ def main(argv: list[str] | None = None) -> int:
     settings = load_settings()
     overrides = {k: v for k, v in (("backend", args.backend), ("model", args.model),
                                    ("weights_dir", args.weights_dir), ("method", args.method),
-                                   ("tp", args.tp), ("pp", args.pp))
+                                   ("tp", args.tp), ("pp", args.pp),
+                                   ("personal", args.personal))
                  if v is not None}
-    settings.trainer = settings.trainer.model_copy(update=overrides)
+    try:  # validated again: the overrides may conflict (personal mode on megatron)
+        settings.trainer = TrainerSettings.model_validate(
+            settings.trainer.model_dump() | overrides)
+    except ValidationError as exc:
+        msg = exc.errors()[0]["msg"].removeprefix("Value error, ")
+        print(f"clawrl train: {msg}", file=sys.stderr)
+        return 2
     if args.engine_url:
         settings.engine = settings.engine.model_copy(update={"url": args.engine_url})
     if not (settings.model_dir() / "config.json").is_file():
@@ -289,7 +300,13 @@ def main(argv: list[str] | None = None) -> int:
     stop = StopFlag()
     stop.install()
     try:
-        train(settings, max_steps=args.max_steps, once=args.once, should_stop=stop)
+        if settings.trainer.personal:
+            from trainer.personal import train_personal
+
+            train_personal(settings, max_steps=args.max_steps, once=args.once,
+                           should_stop=stop)
+        else:
+            train(settings, max_steps=args.max_steps, once=args.once, should_stop=stop)
     except (CheckpointError, RolledBack, BackendError) as exc:
         print(f"clawrl train: {exc}", file=sys.stderr)
         return 1

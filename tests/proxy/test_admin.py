@@ -313,7 +313,8 @@ async def test_admin_api_users_and_keys(db: AsyncEngine) -> None:
         assert (await c.post("/admin/keys/nope/revoke")).status_code == 404
         r = await c.delete("/admin/users/hal")
         assert r.json() == {"name": "hal", "deleted": True, "turns": 0, "judgments": 0,
-                            "samples": 0, "dead_letters": 0}
+                            "samples": 0, "adapter_versions": 0, "dead_letters": 0,
+                            "adapter_folders": 0}
         assert (await c.get("/admin/users")).json()["data"] == []
         assert (await c.patch("/admin/users/hal", json={})).status_code == 400
 

@@ -72,7 +72,10 @@ class TorchBackend:
                               AutoModelForCausalLM.from_pretrained(str(ref_dir), dtype=self.dtype))
             self.reference = reference.to(self.device).eval().requires_grad_(False)
         self.model = model.to(self.device)
-        params = [p for p in self.model.parameters() if p.requires_grad]
+        self._new_optimizer()
+
+    def _new_optimizer(self) -> None:
+        params = [p for p in self._model().parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             params, lr=self.cfg.lr, betas=self.cfg.betas, weight_decay=self.cfg.weight_decay)
 
@@ -188,6 +191,45 @@ class TorchBackend:
             trainable = {n: p.detach().cpu() for n, p in self._model().named_parameters()
                          if p.requires_grad}
             torch.save(trainable, state_dir / ADAPTER_FILE)
+
+    # -- personal adapters (trainer/personal.py): one LoRA at a time in the live model ---------
+    def fresh_adapter(self, seed: int) -> None:
+        """A new user's adapter: LoRA re-initialised as peft does (B = 0, so the model is the
+        base model), from `seed`, with a fresh optimizer."""
+        model = self._model()
+        generator_state = torch.random.get_rng_state()
+        torch.manual_seed(seed)
+        try:
+            for module in model.modules():
+                reset = getattr(module, "reset_lora_parameters", None)
+                if reset is not None and "default" in getattr(module, "lora_A", {}):
+                    reset("default", True)
+        finally:
+            torch.random.set_rng_state(generator_state)
+        self._new_optimizer()
+
+    def load_adapter(self, adapter_dir: Path) -> None:
+        """A user's saved adapter (PEFT folder) and its optimizer state into the live model."""
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        weights = load_file(str(adapter_dir / "adapter_model.safetensors"), device="cpu")
+        result = set_peft_model_state_dict(self._model(), weights)
+        unexpected = getattr(result, "unexpected_keys", [])
+        if unexpected:
+            raise RuntimeError(f"adapter at {adapter_dir} has unknown keys: {unexpected[:3]}")
+        self._new_optimizer()
+        assert self.optimizer is not None
+        state = adapter_dir / "trainer_state" / OPTIMIZER_FILE
+        if state.is_file():
+            self.optimizer.load_state_dict(torch.load(state, map_location=self.device))
+
+    def save_adapter(self, adapter_dir: Path) -> None:
+        """The live adapter as a PEFT folder (what the engine loads) + its optimizer state."""
+        assert self.optimizer is not None
+        self._model().save_pretrained(str(adapter_dir))  # type: ignore[operator]
+        (adapter_dir / "trainer_state").mkdir(parents=True, exist_ok=True)
+        torch.save(self.optimizer.state_dict(), adapter_dir / "trainer_state" / OPTIMIZER_FILE)
 
     def load_state(self, state_dir: Path) -> None:
         assert self.optimizer is not None
