@@ -1,7 +1,7 @@
 """`clawrl up`: the whole stack on one machine, on embedded defaults.
 
     clawrl up [--state-dir .clawrl] [--model DIR|NAME | --small-model] [--proxy-port 8000]
-              [--engine-port 30000] [--no-judge] [--no-train] [--exit-after-ready]
+              [--engine-port 30000] [--no-judge] [--no-train] [--personal] [--exit-after-ready]
 
 1. Postgres: `CLAWRL_DATABASE__URL`, or an embedded server with its data under
    `<state-dir>/pg` (stopped when this command exits); migrations run to head.
@@ -17,7 +17,8 @@
    (`CLAWRL_JUDGE__URL` / `CLAWRL_JUDGE__BACKEND`). They get
    the database URL through `CLAWRL_DATABASE__URL` and the engine's key through
    `CLAWRL_ENGINE__API_KEY` (generated per run unless set; the engine refuses every route
-   but /health* without it).
+   but /health* without it). `--personal`: the trainer trains one LoRA adapter per user
+   instead of the shared model (trainer/personal.py); the proxy serves each user theirs.
 4. A user "demo" and its API key are printed with the base URL and examples. The key is kept
    in `<state-dir>/demo_key` (0600) and reused by the next run; any other key an earlier
    run gave "demo" is revoked, so restarts leave one live demo key.
@@ -419,7 +420,8 @@ def run_children(args: argparse.Namespace, state_dir: Path, db_url: str) -> int:
                 env.update(judge_engine_env(judge_url))
             stack.start("judge", ["judge"])
         if not args.no_train and has_module("trainer.train"):
-            stack.start("train", ["train", "--model", str(model), "--engine-url", engine_url])
+            stack.start("train", ["train", "--model", str(model), "--engine-url", engine_url,
+                                  *(["--personal"] if args.personal else [])])
         key = asyncio.run(demo_key(db_url, state_dir))
         print_ready(f"{proxy_url}/v1", key, state_dir, model)
         if args.exit_after_ready:
@@ -456,6 +458,9 @@ def main(argv: list[str]) -> int:
                         "default; --no-judge-engine: the policy judges itself; docs/judge.md)")
     p.add_argument("--no-judge", action="store_true", help="do not start a judge worker")
     p.add_argument("--no-train", action="store_true", help="do not start the trainer")
+    p.add_argument("--personal", action="store_true",
+                   help="train one LoRA adapter per user, served to that user only, instead "
+                        "of one shared model (docs/trainer.md, \"Personal adapters\")")
     p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds per service")
     p.add_argument("--exit-after-ready", action="store_true",
                    help="stop everything once it is up (for tests and smoke checks)")

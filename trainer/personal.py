@@ -278,8 +278,51 @@ def delete_user_adapters(db: Engine, engine: EngineSettings | None, user_id: int
     return deleted
 
 
-def prune_user(db: Engine, user_id: int, keep: int) -> None:
-    """Delete all but the user's newest `keep` unretired folders (never the served one)."""
+def user_id_of(db: Engine, name: str) -> int | None:
+    with db.connect() as conn:
+        found = conn.execute(text("SELECT id FROM users WHERE name = :n"), {"n": name}).scalar()
+    return None if found is None else int(found)
+
+
+def list_user_versions(db: Engine, user_id: int) -> list[dict[str, Any]]:
+    """A user's adapter versions, oldest first, with whether the folder is complete."""
+    with db.connect() as conn:
+        rows = conn.execute(select(ADAPTERS).where(ADAPTERS.c.user_id == user_id)
+                            .order_by(ADAPTERS.c.version)).mappings().all()
+    return [dict(r) | {"folder": "ok" if (Path(r["path"]) / COMPLETE).is_file() else "missing"}
+            for r in rows]
+
+
+def rollback_user(db: Engine, engine: EngineSettings, user_id: int, version: int) -> str:
+    """Serve the user their adapter version N again (0: no adapter, the base model) and
+    retire every newer version: the trainer continues that user's adapter from N. Returns
+    what the user is served now."""
+    with db.connect() as conn:
+        current = conn.execute(select(USER_ADAPTERS.c.name)
+                               .where(USER_ADAPTERS.c.user_id == user_id)).scalar()
+        row = conn.execute(select(ADAPTERS.c.path).where(ADAPTERS.c.user_id == user_id,
+                                                          ADAPTERS.c.version == version)).first()
+    if version == 0:
+        if current is not None:
+            unload_adapter(engine, current)
+        with db.begin() as conn:
+            conn.execute(delete(USER_ADAPTERS).where(USER_ADAPTERS.c.user_id == user_id))
+            conn.execute(update(ADAPTERS).where(ADAPTERS.c.user_id == user_id)
+                         .values(status="retired"))
+        return "the base model"
+    if row is None or not (Path(row.path) / COMPLETE).is_file():
+        raise AdapterPublishError(f"no saved adapter version {version} for this user")
+    publish_adapter(db, engine, user_id, version, Path(row.path))
+    with db.begin() as conn:
+        conn.execute(update(ADAPTERS).where(ADAPTERS.c.user_id == user_id,
+                                            ADAPTERS.c.version > version)
+                     .values(status="retired"))
+    return adapter_name(user_id, version)
+
+
+def prune_user(db: Engine, user_id: int, keep: int, dry_run: bool = False) -> list[int]:
+    """Delete all but the user's newest `keep` unretired folders (never the served one) and
+    retire their versions. Returns the versions pruned (with `dry_run`: that would be)."""
     with db.connect() as conn:
         served = conn.execute(select(USER_ADAPTERS.c.version)
                               .where(USER_ADAPTERS.c.user_id == user_id)).scalar()
@@ -288,14 +331,15 @@ def prune_user(db: Engine, user_id: int, keep: int) -> None:
                                    ADAPTERS.c.status != "retired")
                             .order_by(ADAPTERS.c.version.desc())).all()
     old = [r for r in rows[keep:] if r.version != served]
-    if not old:
-        return
+    if not old or dry_run:
+        return [r.version for r in old]
     with db.begin() as conn:
         conn.execute(update(ADAPTERS).where(ADAPTERS.c.user_id == user_id,
                                             ADAPTERS.c.version.in_([r.version for r in old]))
                      .values(status="retired"))
     for r in old:
         shutil.rmtree(r.path, ignore_errors=True)
+    return [r.version for r in old]
 
 
 # -- one personal step ----------------------------------------------------------------------

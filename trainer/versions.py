@@ -4,6 +4,9 @@
     clawrl versions rollback N           re-publish v N to the engine; newer versions 'retired'
                                          (N = 0: the base model; every version 'retired')
     clawrl versions prune --keep K       delete folders of all but the newest K versions
+    clawrl versions list|rollback N|prune --keep K --user NAME
+                                         the same for one user's personal adapter (personal
+                                         mode, trainer/personal.py); rollback 0: no adapter
 
 Rollback re-publishes the old folder with `weight_version = N`, so new turns record N. Newer
 versions are marked 'retired': a (re)started trainer resumes from N, never from a retired
@@ -141,7 +144,7 @@ def print_list(rows: list[dict[str, Any]], serving: str | None) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="clawrl versions", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("list", help="list weight versions")
+    ls = sub.add_parser("list", help="list weight versions")
     rb = sub.add_parser("rollback", help="re-publish an older version")
     rb.add_argument("version", type=int, help="a version number; 0 = the base model")
     rb.add_argument("--model", type=Path, help="the base model dir, for version 0 (default: "
@@ -149,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     pr = sub.add_parser("prune", help="delete old version folders")
     pr.add_argument("--keep", type=int, required=True)
     pr.add_argument("--dry-run", action="store_true")
+    for cmd in (ls, rb, pr):
+        cmd.add_argument("--user", help="one user's personal adapter versions (personal mode)")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
 
     settings: Settings = load_settings()
@@ -157,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     db = create_engine(resolve_admin_url(settings))
     weights_dir = settings.weights_dir()
     try:
+        if args.user is not None:
+            return _user_command(db, settings, args)
         if args.cmd == "list":
             print_list(list_versions(db, weights_dir), engine_serving(settings.engine))
         elif args.cmd == "rollback":
@@ -174,6 +181,49 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         db.dispose()
+    return 0
+
+
+def _user_command(db: Engine, settings: Settings, args: argparse.Namespace) -> int:
+    """`--user NAME`: list, roll back or prune one user's adapter versions."""
+    from trainer.personal import (
+        AdapterPublishError,
+        list_user_versions,
+        prune_user,
+        rollback_user,
+        user_id_of,
+    )
+
+    user_id = user_id_of(db, args.user)
+    if user_id is None:
+        raise VersionsError(f"no user named {args.user!r}")
+    if args.cmd == "list":
+        rows = list_user_versions(db, user_id)
+        print(f"{'version':>7} {'step':>5} {'status':<9} {'samples':>7} {'loss':>9} "
+              f"{'reward':>6}  {'created':<19}  folder")
+        for r in rows:
+            print(f"{r['version']:>7} {_fmt(r['step']):>5} {r['status']:<9} "
+                  f"{r['num_samples']:>7} {_fmt(r['loss'], '+.4f'):>9} "
+                  f"{_fmt(r['reward_mean'], '+.2f'):>6}  {r['created_at']:%Y-%m-%d %H:%M:%S}"
+                  f"  {r['folder']}")
+        if not rows:
+            print(f"{args.user} has no adapter versions")
+    elif args.cmd == "rollback":
+        if args.version < 0:
+            raise VersionsError(f"no version {args.version} (versions count up from 0)")
+        try:
+            served = rollback_user(db, settings.engine, user_id, args.version)
+        except (AdapterPublishError, httpx.HTTPError) as exc:
+            raise VersionsError(f"rollback refused, {args.user} keeps their adapter: "
+                                f"{exc}") from exc
+        print(f"{args.user} is now served {served}")
+    else:
+        if args.keep < 1:
+            raise VersionsError("--keep must be at least 1")
+        pruned = prune_user(db, user_id, args.keep, args.dry_run)
+        verb = "would prune" if args.dry_run else "pruned"
+        print(f"{verb} {len(pruned)} version(s) of {args.user}: "
+              f"{', '.join(map(str, sorted(pruned))) or '-'}")
     return 0
 
 

@@ -239,6 +239,8 @@ def test_several_seeds_table_shows_the_mean_and_curve_the_band(tmp_path: Path) -
 @pytest.mark.parametrize(("argv", "message"), [
     (["--methods", "sgd"], "unknown or missing method/preference: ['sgd']"),
     (["--prefs", "loud"], "unknown or missing method/preference: ['loud']"),
+    (["--followups", "issue", "--prefs", "uppercase"],
+     "--followups issue has no corrections for 'uppercase'"),
     (["--rounds", "0"], "must be >= 1"),
     (["--seeds", "0,x"], "--seeds takes integers like 0,1,2, not '0,x'"),
     (["--seeds", "1,1"], "--seeds needs distinct integers, got '1,1'"),
@@ -260,10 +262,24 @@ def test_defaults_and_the_small_run() -> None:
     small = cli.parse_args(["--small", "--seeds", "3,4", "--keep-db"])
     assert (small.batch_size, small.rounds, small.methods) == (32, 4, ("combine", "none"))
     assert (small.judge_engine, small.followups) == (False, "corpus")
-    chosen = cli.parse_args(["--no-judge-engine", "--followups", "issue"])
-    assert (chosen.judge_engine, chosen.followups) == (False, "issue")
     assert small.seeds == (3, 4) and small.seed == 3 and small.keep_db
     assert small.model.name == "tinyworld-ci"
+    chosen = cli.parse_args(["--no-judge-engine", "--followups", "issue"])
+    assert (chosen.judge_engine, chosen.followups, chosen.prefs) == (False, "issue", ("lowercase",))
+    # --personal: conflicting users; the shared model against one adapter per user.
+    personal = cli.parse_args(["--personal"])
+    assert personal.methods == ("combine", "personal", "none")
+    assert personal.prefs == ("lowercase", "uppercase")
+
+
+def test_personal_users_train_their_own_batches_with_the_same_settings() -> None:
+    config = evalconfig.EvalConfig(model=Path("m"), out=Path("o"), prefs=("lowercase", "uppercase"))
+    shared, personal = (evalconfig.stack_env(config, m) for m in ("combine", "personal"))
+    assert personal.pop("CLAWRL_TRAINER__PERSONAL") == "true"
+    # Each of the two users fills a batch of their own: half the shared model's.
+    assert (shared.pop("CLAWRL_TRAINER__BATCH_SIZE"), personal.pop("CLAWRL_TRAINER__BATCH_SIZE")) \
+        == ("64", "32")
+    assert shared == personal  # the trainer's method is combine for both
 
 
 def test_every_method_gets_the_same_trainer_settings_but_the_method() -> None:

@@ -214,3 +214,45 @@ def test_personal_mode_on_megatron_is_one_clear_line(
     assert main(["--personal", "--backend", "megatron"]) == 2
     assert capsys.readouterr().err.strip() == \
         "clawrl train: personal mode (one LoRA adapter per user) needs the torch backend"
+
+
+def test_one_users_rollback_and_prune_leave_everyone_else_alone(
+        tmp_path: Path, db_url: str, db: Engine, add_sample: SampleFactory,
+        tiny_model_dir: Path, engine_factory: Callable[..., str],
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from trainer.versions import main as versions_main
+
+    url = engine_factory(tiny_model_dir)
+    ann, ben = new_user(db, "ann"), new_user(db, "ben")
+    add_user_samples(add_sample, url, ann, 8, reward=1)
+    add_user_samples(add_sample, url, ben, 4, reward=1)
+    settings = personal_settings(tmp_path, db_url, url, tiny_model_dir)
+    assert train_personal(settings, max_steps=3) == 3  # ann v1, ben v1, ann v2
+    capsys.readouterr()
+    monkeypatch.setenv("CLAWRL_DATABASE__URL", db_url)
+    monkeypatch.setenv("CLAWRL_ENGINE__URL", url)
+    monkeypatch.setenv("CLAWRL_STATE_DIR", str(tmp_path / "state"))
+
+    assert versions_main(["rollback", "1", "--user", "ann"]) == 0
+    assert capsys.readouterr().out.strip() == f"ann is now served {adapter_name(ann, 1)}"
+    assert served_adapters(url) == {adapter_name(ann, 1), adapter_name(ben, 1)}
+    assert [tuple(r) for r in rows(db, "SELECT version, status FROM adapter_versions "
+                                       "WHERE user_id = :u ORDER BY version", u=ann)] == \
+        [(1, "published"), (2, "retired")]
+    # Ann's training continues from v1 under a new number; her v2 name is never reused.
+    add_user_samples(add_sample, url, ann, 4, reward=1)
+    assert train_personal(settings, max_steps=1) == 1
+    capsys.readouterr()
+    assert served_adapters(url) == {adapter_name(ann, 3), adapter_name(ben, 1)}
+    # Prune keeps the served version and the newest K; Ben's folders are not touched.
+    assert versions_main(["prune", "--keep", "1", "--user", "ann"]) == 0
+    assert capsys.readouterr().out.strip() == "pruned 1 version(s) of ann: 1"
+    assert versions_main(["list", "--user", "ann"]) == 0
+    listed = capsys.readouterr().out.splitlines()
+    assert [line.split()[:3] for line in listed[1:]] == [
+        ["1", "1", "retired"], ["2", "3", "retired"], ["3", "4", "published"]]
+    assert versions_main(["rollback", "0", "--user", "ben"]) == 0
+    assert served_adapters(url) == {adapter_name(ann, 3)}
+    assert rows(db, "SELECT * FROM user_adapters WHERE user_id = :u", u=ben) == []
+    assert versions_main(["list", "--user", "nobody"]) == 1
+    assert capsys.readouterr().err.strip() == "clawrl versions: no user named 'nobody'"

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import signal
 import sys
 import time
@@ -45,9 +46,18 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from trainer.eval.config import METHODS, SMALL_BATCH, SMALL_ROUNDS, EvalConfig
+from trainer.eval.config import (
+    ALL_METHODS,
+    METHODS,
+    PERSONAL,
+    PERSONAL_PREFS,
+    SMALL_BATCH,
+    SMALL_ROUNDS,
+    EvalConfig,
+)
 from trainer.eval.report import plot_curve, print_table, print_targets, targets
-from trainer.world.town import EVAL_PREFERENCES
+from trainer.world.simulate import phrasings
+from trainer.world.town import PREFERENCES
 
 
 def parse_args(argv: list[str]) -> EvalConfig:
@@ -59,10 +69,15 @@ def parse_args(argv: list[str]) -> EvalConfig:
                    help="a CI-sized run: the CI-sized model (<state_dir>/models/tinyworld-ci, "
                         "~5 min to build once), and unless given: --methods combine,none "
                         f"--prefs lowercase --rounds {SMALL_ROUNDS}")
-    p.add_argument("--methods", default=None, help=f"default {','.join(METHODS)}")
+    p.add_argument("--methods", default=None,
+                   help=f"default {','.join(METHODS)} (--personal: combine,personal,none)")
     p.add_argument("--prefs", default=None,
                    help="hidden preferences, one simulated user each "
-                        f"({', '.join(EVAL_PREFERENCES)}; default lowercase,brief)")
+                        f"({', '.join(PREFERENCES)}; default lowercase,brief; --personal: "
+                        f"{','.join(PERSONAL_PREFS)})")
+    p.add_argument("--personal", action="store_true",
+                   help="users with conflicting preferences: the shared model (combine) "
+                        "against one LoRA adapter per user (personal) and no training")
     p.add_argument("--users-per-pref", type=int, default=1)
     p.add_argument("--rounds", type=int, default=None,
                    help="rounds of chat -> train -> probe (default 8)")
@@ -101,9 +116,11 @@ def parse_args(argv: list[str]) -> EvalConfig:
     p.add_argument("--engine-url", help="the running stack's engine (to read weight versions)")
     args = p.parse_args(argv)
     if args.methods is None:
-        args.methods = "combine,none" if args.small else ",".join(METHODS)
-    if args.prefs is None:
-        args.prefs = "lowercase" if args.small else "lowercase,brief"
+        args.methods = ("combine,none" if args.small else
+                        f"combine,{PERSONAL},none" if args.personal else ",".join(METHODS))
+    if args.prefs is None:  # (the judge issue's user only ever asks for lowercase)
+        args.prefs = ("lowercase" if args.small or args.followups == "issue" else
+                      ",".join(PERSONAL_PREFS) if args.personal else "lowercase,brief")
     if args.followups is None:
         args.followups = "corpus" if args.small else "people"
     if args.judge_engine is None:
@@ -114,10 +131,17 @@ def parse_args(argv: list[str]) -> EvalConfig:
         args.batch_size = SMALL_BATCH if args.small else EvalConfig.batch_size
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
     prefs = tuple(x.strip() for x in args.prefs.split(",") if x.strip())
-    bad = [m for m in methods if m not in METHODS] + [x for x in prefs
-                                                     if x not in EVAL_PREFERENCES]
+    bad = [m for m in methods if m not in ALL_METHODS] + [x for x in prefs
+                                                         if x not in PREFERENCES]
     if bad or not methods or not prefs:
         raise SystemExit(f"clawrl eval: unknown or missing method/preference: {bad or 'none'}")
+    says = phrasings(args.followups)
+    for pref in prefs:
+        try:
+            says.correction(pref, random.Random(0))
+        except (ValueError, KeyError):
+            raise SystemExit(f"clawrl eval: --followups {args.followups} has no corrections "
+                             f"for {pref!r}") from None
     try:
         seeds = tuple(int(x) for x in (args.seeds or str(args.seed)).split(",") if x.strip())
     except ValueError:

@@ -7,6 +7,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 METHODS = ("combine", "rl", "opd", "none")
+# `--personal`: `combine` with one LoRA adapter per user (trainer/personal.py), each user's
+# batch `batch_size` / users (at least PERSONAL_MIN_BATCH), against the shared model.
+PERSONAL = "personal"
+ALL_METHODS = (*METHODS, PERSONAL)
+PERSONAL_PREFS = ("lowercase", "uppercase")
+PERSONAL_MIN_BATCH = 16
 SMALL_ROUNDS = 4  # `--small`: a CI-sized run
 SMALL_BATCH = 32  # `--small` has one user: half the chat per version
 PARTIAL_AFTER_S = 45
@@ -66,18 +72,36 @@ class EvalConfig:
     extra_env: dict[str, str] = field(default_factory=dict)
 
 
+def trainer_method(method: str) -> str:
+    """The trainer's `--method` for an eval method (`personal` trains with `combine`)."""
+    return "combine" if method == PERSONAL else method
+
+
+def batch_size(config: EvalConfig, method: str) -> int:
+    """Samples per version: of everyone, or in personal mode of one user."""
+    if method != PERSONAL:
+        return config.batch_size
+    users = len(config.prefs) * config.users_per_pref
+    return max(PERSONAL_MIN_BATCH, config.batch_size // users)
+
+
 def stack_env(config: EvalConfig, method: str) -> dict[str, str]:
     """Trainer and judge settings of one method's stack (the same for every method but the
     method). The judge works on as many turns at once as the users hold conversations, so
     the engine batches its votes with the users' requests."""
-    return {"CLAWRL_JUDGE__CONCURRENCY": str(max(4, config.parallel * len(config.prefs)
-                                                 * config.users_per_pref)),"CLAWRL_TRAINER__METHOD": method, "CLAWRL_TRAINER__LR": str(config.lr),
-            "CLAWRL_TRAINER__KL_COEF": str(config.kl_coef),
-            "CLAWRL_TRAINER__BATCH_SIZE": str(config.batch_size),
-            "CLAWRL_TRAINER__MICRO_BATCH_SIZE": str(min(8, config.batch_size)),
-            # Full batches, normally: the eval chats until one is ready (one version per
-            # round); a batch that cannot fill (a policy that earns few corrections gives
-            # `opd` few hints) is trained PARTIAL_AFTER_S after its first sample arrived,
-            # about the time `max_chats` waves of chat take.
-            "CLAWRL_TRAINER__MAX_WAIT_S": str(PARTIAL_AFTER_S), "CLAWRL_TRAINER__POLL_S": "0.5",
-            "CLAWRL_TRAINER__SEED": str(config.seed)}
+    batch = batch_size(config, method)
+    env = {"CLAWRL_JUDGE__CONCURRENCY": str(max(4, config.parallel * len(config.prefs)
+                                                * config.users_per_pref)),
+           "CLAWRL_TRAINER__METHOD": trainer_method(method), "CLAWRL_TRAINER__LR": str(config.lr),
+           "CLAWRL_TRAINER__KL_COEF": str(config.kl_coef),
+           "CLAWRL_TRAINER__BATCH_SIZE": str(batch),
+           "CLAWRL_TRAINER__MICRO_BATCH_SIZE": str(min(8, batch)),
+           # Full batches, normally: the eval chats until one is ready (one version per
+           # round); a batch that cannot fill (a policy that earns few corrections gives
+           # `opd` few hints) is trained PARTIAL_AFTER_S after its first sample arrived,
+           # about the time `max_chats` waves of chat take.
+           "CLAWRL_TRAINER__MAX_WAIT_S": str(PARTIAL_AFTER_S), "CLAWRL_TRAINER__POLL_S": "0.5",
+           "CLAWRL_TRAINER__SEED": str(config.seed)}
+    if method == PERSONAL:
+        env["CLAWRL_TRAINER__PERSONAL"] = "true"
+    return env

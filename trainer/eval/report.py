@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from trainer.eval.config import (
+    ALL_METHODS,
     CONNECTED,
-    METHODS,
     TARGET_ACCURACY_DROP,
     TARGET_PREFS,
     TARGET_SATISFIED,
@@ -27,7 +27,7 @@ def print_table(rows: list[dict[str, Any]]) -> str:
     """Satisfaction (and task accuracy) per round, method and user, as plain text: the mean
     over seeds, with the version served (the one version when all seeds served it)."""
     users = sorted({(r["user"], r["pref"]) for r in rows})
-    methods = [m for m in (*METHODS, CONNECTED) if any(r["method"] == m for r in rows)]
+    methods = [m for m in (*ALL_METHODS, CONNECTED) if any(r["method"] == m for r in rows)]
     cols = [(m, u) for m in methods for u, _ in users]
     seeds = sorted({r.get("seed", 0) for r in rows})
     head = "round  " + "  ".join(f"{m}/{u.split('-', 2)[2]:<10}"[:22].ljust(22) for m, u in cols)
@@ -60,7 +60,7 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     moved from round 0 at most (it should stay at the base rate).
     """
     out = []
-    for method in (*METHODS, CONNECTED):
+    for method in (*ALL_METHODS, CONNECTED):
         for seed in sorted({r.get("seed", 0) for r in rows if r["method"] == method}):
             mine = [r for r in rows if r["method"] == method and r.get("seed", 0) == seed]
             rounds = sorted({r["round"] for r in mine})
@@ -126,7 +126,7 @@ def plot_curve(rows: list[dict[str, Any]], path: Path) -> None:
                                   "correct", None)]
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
     for ax, (title, ylabel, key, pref) in zip(axes[0], panels, strict=True):
-        for method in (*METHODS, CONNECTED):
+        for method in (*ALL_METHODS, CONNECTED):
             # per round: the value of each seed (mean over that seed's matching users)
             pts: dict[int, list[float]] = {}
             for seed in seeds:

@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from proxy.stack import StackError
-from trainer.eval.config import CONNECTED, EvalConfig
+from trainer.eval.config import CONNECTED, PERSONAL, EvalConfig, batch_size
 from trainer.world.town import World
 
 
@@ -53,21 +53,29 @@ async def run_rounds(config: EvalConfig, method: str, proxy_url: str, db_url: st
             elif rnd > 0:
                 # Chat until a full batch is ready (the trainer only trains full batches),
                 # then wait for that version: one published version per round.
+                # (personal: every user's own batch, the smallest decides)
                 start = (await loop_state(db, method))[2]
+                batch = batch_size(config, method)
                 # (about 16 samples per wave of 2 users x 4 sessions: scale with the batch)
-                for wave in range(config.max_chats * -(-config.batch_size // 32)):
+                waves = config.max_chats * -(-batch * (len(users) if method == PERSONAL else 1)
+                                             // 32)
+                for wave in range(waves):
                     await chat_wave(config, world, users, rnd, wave)
                     await wait_judged(db, method, config.round_timeout_s)
                     _, ready, newest = await loop_state(db, method)
-                    if ready >= config.batch_size or newest > start:
+                    if ready >= batch or newest > start:
                         break
                 await wait_published(db, method, engine_url, start, config.round_timeout_s)
-            version = await _serving_version(engine_url)
-            trained = await _version_stats(db, version)
+            if method == PERSONAL:  # each user's own adapter version
+                served = await _adapter_versions(db)
+            else:
+                version = await _serving_version(engine_url)
+                served = {u.name: (version, await _version_stats(db, version)) for u in users}
             results = await asyncio.gather(*(u.probe(world, probe_prompts) for u in users))
             on_round(method, rnd, [
-                {"method": method, "seed": config.seed, "round": rnd, "version": version,
-                 **trained, "user": user.name, "pref": user.pref,
+                {"method": method, "seed": config.seed, "round": rnd,
+                 "version": served.get(user.name, ("0", {}))[0],
+                 **served.get(user.name, ("0", {}))[1], "user": user.name, "pref": user.pref,
                  "satisfied": round(res.satisfied, 4), "correct": round(res.correct, 4),
                  "examples": res.replies[:3], "wrong_examples": res.wrong[:5],
                  "elapsed_s": round(time.monotonic() - started, 1)}
@@ -101,6 +109,20 @@ async def _version_stats(db: Any, version: str) -> dict[str, Any]:
                                    "train_reward_mean": row[2]}
 
 
+async def _adapter_versions(db: Any) -> dict[str, tuple[str, dict[str, Any]]]:
+    """Per user name: the version of the adapter that serves them ("0": the base model) and
+    what the trainer recorded for it."""
+    from sqlalchemy import text
+
+    async with db.connect() as conn:
+        rows = (await conn.execute(text(
+            "SELECT u.name, x.version, a.num_samples, a.loss, a.reward_mean FROM users u "
+            "JOIN user_adapters x ON x.user_id = u.id AND x.loaded "
+            "JOIN adapter_versions a ON a.user_id = u.id AND a.version = x.version"))).all()
+    return {r[0]: (str(r[1]), {"train_samples": r[2], "train_loss": r[3],
+                               "train_reward_mean": r[4]}) for r in rows}
+
+
 async def _serving_version(engine_url: str) -> str:
     import httpx
 
@@ -131,9 +153,23 @@ USABLE = {"rl": "reward IS NOT NULL", "opd": "teacher_logprobs IS NOT NULL",
 
 async def loop_state(db: Any, method: str) -> tuple[int, int, int]:
     """(judge jobs queued or running, usable samples not yet trained, newest published
-    version or 0)."""
+    version or 0). Personal: the fewest usable samples any user has, and the oldest adapter
+    version any user is served (0 while one has none)."""
     from sqlalchemy import text
 
+    if method == PERSONAL:
+        sql = f"""
+        SELECT
+          (SELECT count(*) FROM jobs WHERE kind = 'judge' AND status IN ('queued', 'running')),
+          (SELECT coalesce(min((SELECT count(*) FROM samples s WHERE s.user_id = u.id
+             AND s.trained_step IS NULL AND s.skipped_reason IS NULL
+             AND {USABLE["combine"]})), 0) FROM users u),
+          (SELECT coalesce(min(coalesce(x.version, 0)), 0) FROM users u
+             LEFT JOIN user_adapters x ON x.user_id = u.id AND x.loaded)
+        """
+        async with db.connect() as conn:
+            jobs, samples, newest = (await conn.execute(text(sql))).one()
+        return int(jobs), int(samples), int(newest)
     sql = f"""
     SELECT
       (SELECT count(*) FROM jobs WHERE kind = 'judge' AND status IN ('queued', 'running')),
@@ -166,12 +202,19 @@ async def wait_published(db: Any, method: str, engine_url: str, after: int,
     """Wait until a version newer than `after` is published and the engine serves it."""
     import httpx
 
+    from proxy.auth import CACHE_TTL_S
+
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     async with httpx.AsyncClient(timeout=10.0) as http:
         while loop.time() < deadline:
             await asyncio.sleep(poll_s)
             newest = (await loop_state(db, method))[2]
+            if method == PERSONAL and newest > after:
+                # The engine has every user's adapter before the row names it; the proxy
+                # reads the row within its key cache's time to live.
+                await asyncio.sleep(CACHE_TTL_S + 0.5)
+                return newest
             serving = (await http.get(f"{engine_url}/model_info")).json().get("weight_version")
             if newest > after and str(newest) == str(serving):
                 return newest

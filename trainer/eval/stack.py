@@ -18,7 +18,7 @@ from typing import Any
 
 from proxy.bench_procs import free_port
 from proxy.stack import HOST, Stack, StackError, judge_engine_env, wait_healthy
-from trainer.eval.config import EvalConfig, stack_env
+from trainer.eval.config import EvalConfig, stack_env, trainer_method
 from trainer.eval.rounds import run_rounds
 
 __all__ = ["StackError", "drop_database", "ensure_model", "fresh_database", "run_method"]
@@ -100,7 +100,7 @@ def run_method(config: EvalConfig, method: str,
                 stack.env.update(judge_engine_env(f"http://{HOST}:{judge_port}"))
             stack.start("judge", ["judge"])
             stack.start("train", ["train", "--model", str(config.model.resolve()),
-                                  "--engine-url", engine_url, "--method", method,
+                                  "--engine-url", engine_url, "--method", trainer_method(method),
                                   "--weights-dir", str(state / "weights")])
         asyncio.run(_guarded(stack, run_rounds(config, method, proxy_url, db_url,
                                                engine_url, on_round)))
