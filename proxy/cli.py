@@ -31,7 +31,8 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "users": ("proxy.admin", "users_main", "create, list, opt out or delete users"),
     "keys": ("proxy.admin", "keys_main", "create, list or revoke API keys"),
     "sql": ("proxy.admin", "sql_main", "run a read-only SQL query on the log"),
-    "bench": ("proxy.cli", "bench_main", "benchmarks: proxy, faults, judge, trainer, megatron, env"),
+    "bench": ("proxy.cli", "bench_main",
+              "benchmarks: proxy, faults, judge, trainer, adapters, megatron, env"),
 }
 
 # Commands that administer an existing stack: pointed at the running `clawrl up`.
@@ -43,6 +44,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "faults": ("proxy.bench_faults", "main"),
     "judge": ("judge.bench", "main"),
     "trainer": ("trainer.bench", "main"),
+    "adapters": ("trainer.bench_adapters", "main"),
     "megatron": ("trainer.backends.megatron_bench", "main"),
     "console": ("proxy.web.bench", "main"),
     "env": ("trainer.envs.bench", "main"),

@@ -32,6 +32,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import NamedTuple
 
 import httpx
 import psutil
@@ -159,28 +160,50 @@ def build_random_model(out_dir: Path, tokenizer_dir: Path, *, hidden: int = 512,
     return sum(p.numel() for p in model.parameters())
 
 
+class EngineStartError(RuntimeError):
+    """The engine exited or never became healthy; the message is one line."""
+
+
+class RunningEngine(NamedTuple):
+    url: str
+    pid: int
+
+
+def _last_line(log: Path) -> str:
+    """The engine's own one-line answer (`clawrl engine: ...`), else its last log line."""
+    lines = [line.strip() for line in log.read_text(errors="replace").splitlines()
+             if line.strip()]
+    own = [line for line in lines if line.startswith("clawrl engine: ")]
+    return (own or lines or ["(no output)"])[-1]
+
+
 @contextmanager
-def engine_process(model_dir: Path, threads: int, log: Path) -> Iterator[str]:
+def engine_process(model_dir: Path, threads: int, log: Path,
+                   *extra: str) -> Iterator[RunningEngine]:
+    """A `clawrl engine` child on a free port (`extra`: more engine flags), healthy; stopped
+    on exit. Raises EngineStartError with the engine's last log line."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     with log.open("wb") as fh:
         proc = subprocess.Popen(
             [sys.executable, "-m", "trainer.engine", "--model", str(model_dir), "--port",
-             str(port), "--threads", str(threads)], stdout=fh, stderr=subprocess.STDOUT)
+             str(port), "--threads", str(threads), *extra], stdout=fh, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 300
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"engine exited: {log.read_text()[-2000:]}")
+                raise EngineStartError(f"the engine exited (code {proc.returncode}): "
+                                       f"{_last_line(log)}")
             try:
                 if httpx.get(url + "/health", timeout=2).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:
-                raise RuntimeError("engine did not become healthy")
+                raise EngineStartError(f"the engine was not healthy after 300 s: "
+                                       f"{_last_line(log)}")
             time.sleep(0.2)
-        yield url
+        yield RunningEngine(url, proc.pid)
     finally:
         proc.terminate()
         try:
@@ -213,6 +236,14 @@ class Prober:
         self._stop.set()
         self._thread.join()
 
+    def pause(self, start: float, end: float) -> float:
+        """The longest probe overlapping [start, end] minus the median of the others: how
+        long the engine held base-model requests back then. 0 when none overlapped."""
+        outside = [e - s for s, e in self.spans if e < start or s > end]
+        during = [e - s for s, e in self.spans if e >= start and s <= end]
+        base = statistics.median(outside) if outside else 0.0
+        return max(0.0, max(during, default=base) - base)
+
 
 def bench_swap(model_dir: Path, work: Path, rounds: int, threads: int) -> dict[str, float]:
     cfg = TrainerSettings(batch_size=2, micro_batch_size=2, kl_coef=0.0, device="cpu")
@@ -222,7 +253,7 @@ def bench_swap(model_dir: Path, work: Path, rounds: int, threads: int) -> dict[s
     weights = work / "weights"
     work.mkdir(parents=True, exist_ok=True)
     export_s, update_s, e2e_s, pause_s = [], [], [], []
-    with engine_process(model_dir, threads, work / "engine.log") as url:
+    with engine_process(model_dir, threads, work / "engine.log") as (url, _):
         engine = EngineSettings(url=url)
         for n in range(1, rounds + 1):
             backend.train_step(batch)
@@ -237,11 +268,7 @@ def bench_swap(model_dir: Path, work: Path, rounds: int, threads: int) -> dict[s
             export_s.append(t1 - t0)
             update_s.append(t2 - t1)
             e2e_s.append(t2 - t0)
-            outside = [e - s for s, e in probe.spans if e < t1 or s > t2]
-            during = [e - s for s, e in probe.spans if e >= t1 and s <= t2]
-            base = statistics.median(outside) if outside else 0.0
-            # Probes that did not overlap the swap leave 0, never a negative pause.
-            pause_s.append(max(0.0, max(during, default=base) - base))
+            pause_s.append(probe.pause(t1, t2))
     return {"export_ms": 1e3 * statistics.median(export_s),
             "update_ms": 1e3 * statistics.median(update_s),
             "publish_e2e_ms": 1e3 * statistics.median(e2e_s),
