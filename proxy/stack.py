@@ -47,7 +47,6 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import FrameType
 from typing import IO, NoReturn
 
 import httpx
@@ -61,6 +60,7 @@ from proxy.db import create_async
 from proxy.dbcli import resolve_url, stop_embedded, upgrade
 from proxy.errors import Unauthorized
 from proxy.settings import load_settings
+from proxy.signals import die_with_parent, sigterm_as_interrupt
 from proxy.statefile import remove_stack, write_secret, write_stack
 
 HOST = "127.0.0.1"
@@ -119,7 +119,7 @@ class Stack:
         proc = subprocess.Popen(
             [sys.executable, "-m", "proxy.cli", *args], env=self.env, stdin=subprocess.DEVNULL,
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-            preexec_fn=_die_with_parent)
+            preexec_fn=die_with_parent)
         child = Child(name, args, proc, log_path, log)
         self.children[name] = child
         return child
@@ -148,16 +148,6 @@ class Stack:
                     child.proc.wait()
             child.log.close()
         self.children.clear()
-
-
-def _die_with_parent() -> None:
-    """In the child: get SIGTERM if `clawrl up` itself is killed (Linux), never orphaned."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
 
 
 def check_port_free(port: int, what: str) -> None:
@@ -346,10 +336,6 @@ def supervise(stack: Stack) -> NoReturn:
         stack.restart(dead.name)
 
 
-def _raise_on_sigterm(signum: int, frame: FrameType | None) -> None:
-    raise KeyboardInterrupt
-
-
 def run_stack(args: argparse.Namespace) -> int:
     state_dir = args.state_dir.resolve()
     state_dir.mkdir(parents=True, exist_ok=True)
@@ -467,10 +453,10 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     if args.state_dir is None:
         args.state_dir = load_settings().state_dir
-    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    signal.signal(signal.SIGTERM, _raise_on_sigterm)
+    previous = signal.getsignal(signal.SIGINT)  # run_stack ignores it while it stops
     try:
-        return run_stack(args)
+        with sigterm_as_interrupt():
+            return run_stack(args)
     except StackError as exc:
         print(f"clawrl up: {exc}", file=sys.stderr)
         return 1
@@ -478,8 +464,7 @@ def main(argv: list[str]) -> int:
         print("clawrl up: stopped", file=sys.stderr)
         return 0
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        signal.signal(signal.SIGINT, previous)
 
 
 if __name__ == "__main__":

@@ -39,13 +39,13 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import signal
 import sys
 import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from proxy.signals import sigterm_as_interrupt
 from trainer.eval.config import (
     ALL_METHODS,
     METHODS,
@@ -189,11 +189,8 @@ def main(argv: list[str]) -> int:
         print(f"clawrl eval: cannot build the model at {config.model}: {exc}", file=sys.stderr)
         return 1
     # SIGTERM stops like Ctrl-C: the current stack is shut down and partial results written.
-    previous = signal.signal(signal.SIGTERM, _raise_on_sigterm)
-    try:
+    with sigterm_as_interrupt():
         return run_eval(config)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def run_eval(config: EvalConfig) -> int:
@@ -244,10 +241,6 @@ def run_eval(config: EvalConfig) -> int:
     print(f"\nresults: {config.out / 'results.json'}  curve: {config.out / 'curve.png'}  "
           f"({(time.monotonic() - started) / 60:.1f} min)")
     return 0
-
-
-def _raise_on_sigterm(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt
 
 
 def _write(config: EvalConfig, rows: list[dict[str, Any]], started: float) -> None:

@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from judge.prompts import check_version
+from proxy.signals import sigterm_as_interrupt
 from trainer.judgemodel.build import BuildConfig
 from trainer.judgemodel.model import DTYPES, JUDGE_DTYPE
 from trainer.pretrained import PullError
@@ -97,10 +98,15 @@ def main(argv: list[str]) -> int:
         chosen = {"prm_mode": args.prm_mode, "hint_votes": args.hint_votes,
                   "prompt_version": args.prompt_version,
                   "temperature": args.temperature}
-        report = evaluate(state, limit=args.limit, votes=args.votes, port=args.port,
-                          threads=args.threads, dtype=args.dtype, adapter=args.adapter,
-                          dev=args.dev,
-                          overrides={k: v for k, v in chosen.items() if v is not None})
+        try:
+            with sigterm_as_interrupt():  # the engine child is stopped on SIGTERM too
+                report = evaluate(state, limit=args.limit, votes=args.votes, port=args.port,
+                                  threads=args.threads, dtype=args.dtype, adapter=args.adapter,
+                                  dev=args.dev,
+                                  overrides={k: v for k, v in chosen.items() if v is not None})
+        except KeyboardInterrupt:
+            print("clawrl judge evaluate: stopped", file=sys.stderr)
+            return 130
         print_report(report)
         if args.json:
             args.json.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")

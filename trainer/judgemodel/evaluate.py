@@ -39,6 +39,7 @@ from judge.backends import ChatBackend, http_client
 from judge.config import JUDGE_MODEL_SETTINGS, JudgeSettings
 from judge.judgment import cast_votes
 from judge.prompts import render_fields
+from proxy.signals import die_with_parent
 from trainer.judgemodel.build import BuildConfig
 from trainer.judgemodel.model import ADAPTER_DIR, JUDGE_DTYPE, ensure_judge_model
 from trainer.judgemodel.synth import iter_examples, normalize, styled_reply, training_set
@@ -134,7 +135,8 @@ def start_engine(model: Path, port: int, threads: int, log: Path,
     cmd = [sys.executable, "-m", "proxy.cli", "engine", "--model", str(model),
            "--port", str(port), "--threads", str(threads), "--dtype", dtype]
     with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                preexec_fn=die_with_parent)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if proc.poll() is not None:
