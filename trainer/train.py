@@ -44,7 +44,7 @@ from trainer.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from trainer.config import Settings, TrainerSettings, load_settings
+from trainer.config import Settings, TrainerSettings, load_settings, model_recipe
 from trainer.data import VERSIONS, Claim, claim_batch, record_step
 from trainer.export import CheckpointError, version_dir
 from trainer.metrics import TrainerMetrics
@@ -264,6 +264,26 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def resolve_settings(args: argparse.Namespace) -> Settings:
+    """The environment's settings, the command line's flags over them, and under both the
+    model's own training settings (the tiny world's recipe) for whatever neither set.
+    Raises ValidationError when they conflict (personal mode on megatron)."""
+    settings = load_settings()
+    overrides = {k: v for k, v in (("backend", args.backend), ("model", args.model),
+                                   ("weights_dir", args.weights_dir), ("method", args.method),
+                                   ("tp", args.tp), ("pp", args.pp),
+                                   ("personal", args.personal))
+                 if v is not None}
+    explicit = settings.trainer.model_fields_set | set(overrides)
+    settings.trainer = TrainerSettings.model_validate(settings.trainer.model_dump() | overrides)
+    recipe = {k: v for k, v in model_recipe(settings.model_dir()).items() if k not in explicit}
+    if recipe:
+        settings.trainer = TrainerSettings.model_validate(settings.trainer.model_dump() | recipe)
+        log.info("the tiny world model's training settings: %s (CLAWRL_TRAINER__* changes "
+                 "them)", ", ".join(f"{k} {v}" for k, v in recipe.items()))
+    return settings
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     from proxy.logs import setup_logging
@@ -271,15 +291,8 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(logging.INFO, "%(asctime)s %(levelname)s %(message)s")
     for noisy in ("httpx", "alembic"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    settings = load_settings()
-    overrides = {k: v for k, v in (("backend", args.backend), ("model", args.model),
-                                   ("weights_dir", args.weights_dir), ("method", args.method),
-                                   ("tp", args.tp), ("pp", args.pp),
-                                   ("personal", args.personal))
-                 if v is not None}
-    try:  # validated again: the overrides may conflict (personal mode on megatron)
-        settings.trainer = TrainerSettings.model_validate(
-            settings.trainer.model_dump() | overrides)
+    try:
+        settings = resolve_settings(args)
     except ValidationError as exc:
         msg = exc.errors()[0]["msg"].removeprefix("Value error, ")
         print(f"clawrl train: {msg}", file=sys.stderr)

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from sqlalchemy import insert
 from sqlalchemy.engine import Engine
 
@@ -63,3 +64,36 @@ def test_versions_commands_refuse_bad_requests(db_url: str, db: Engine, tmp_path
     lines = out.stdout.splitlines()
     assert lines[1].split()[:4] == ["3", "3", "published", "0"]
     assert "bad (" in lines[1] and "engine unreachable" in lines[-1]
+
+
+PREBUILT_CI = Path(__file__).resolve().parents[2] / "trainer" / "world" / "prebuilt" / "tinyworld-ci"
+
+
+def test_the_tiny_world_trains_with_its_recipe_unless_told_otherwise(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`clawrl up`'s trainer on the tiny world model uses what `clawrl eval` measured it
+    learning with; the environment and flags win; any other model keeps the defaults."""
+    from trainer.config import TINYWORLD_RECIPE, TrainerSettings
+    from trainer.train import build_parser, resolve_settings
+
+    for name in [k for k in os.environ if k.startswith("CLAWRL_TRAINER__")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("CLAWRL_STATE_DIR", str(tmp_path))
+    tiny = build_parser().parse_args(["--model", str(PREBUILT_CI)])
+    got = resolve_settings(tiny).trainer
+    assert (got.lr, got.kl_coef, got.batch_size) == (
+        TINYWORLD_RECIPE["lr"], TINYWORLD_RECIPE["kl_coef"], TINYWORLD_RECIPE["batch_size"])
+    assert TINYWORLD_RECIPE["lr"] != TrainerSettings().lr  # the recipe is not the default
+
+    monkeypatch.setenv("CLAWRL_TRAINER__LR", "3e-5")
+    got = resolve_settings(tiny).trainer
+    assert (got.lr, got.kl_coef, got.batch_size) == (
+        3e-5, TINYWORLD_RECIPE["kl_coef"], TINYWORLD_RECIPE["batch_size"])
+
+    other = tmp_path / "other-model"  # a Hugging Face directory that is not the tiny world
+    other.mkdir()
+    (other / "config.json").write_text("{}")
+    got = resolve_settings(build_parser().parse_args(["--model", str(other)])).trainer
+    defaults = TrainerSettings()
+    assert (got.lr, got.kl_coef, got.batch_size) == (3e-5, defaults.kl_coef,
+                                                     defaults.batch_size)

@@ -256,3 +256,31 @@ def test_one_users_rollback_and_prune_leave_everyone_else_alone(
     assert rows(db, "SELECT * FROM user_adapters WHERE user_id = :u", u=ben) == []
     assert versions_main(["list", "--user", "nobody"]) == 1
     assert capsys.readouterr().err.strip() == "clawrl versions: no user named 'nobody'"
+
+
+def test_adapters_step_at_their_own_learning_rate(tmp_path: Path,
+                                                   tiny_model_dir: Path) -> None:
+    """`adapter_lr` is the optimizer's rate under LoRA (the shared model keeps `lr`), and a
+    saved adapter loaded again steps at the rate configured now, not the one it was saved
+    with (AdamW's state carries its lr)."""
+    from trainer.backends.torch import TorchBackend
+    from trainer.config import LoraSettings, TrainerSettings
+
+    def backend(**kw: Any) -> TorchBackend:
+        b = TorchBackend(TrainerSettings(device="cpu", kl_coef=0.0, lr=1e-4, **kw))
+        b.load(tiny_model_dir)
+        return b
+
+    def rates(b: TorchBackend) -> set[float]:
+        assert b.optimizer is not None
+        return {g["lr"] for g in b.optimizer.param_groups}
+
+    assert rates(backend(adapter_lr=5e-3)) == {1e-4}  # no LoRA: full weights at lr
+    first = backend(adapter_lr=5e-3, lora=LoraSettings(enabled=True))
+    first.fresh_adapter(0)
+    assert rates(first) == {5e-3}
+    first.save_adapter(tmp_path / "v1")
+    again = backend(adapter_lr=2e-3, lora=LoraSettings(enabled=True))
+    again.load_adapter(tmp_path / "v1")
+    assert rates(again) == {2e-3}
+    assert rates(backend(lora=LoraSettings(enabled=True))) == {1e-4}  # unset: lr

@@ -74,10 +74,17 @@ class TorchBackend:
         self.model = model.to(self.device)
         self._new_optimizer()
 
+    @property
+    def lr(self) -> float:
+        """The optimizer's learning rate: the adapter's under LoRA when it has its own."""
+        if self.cfg.lora.enabled and self.cfg.adapter_lr is not None:
+            return self.cfg.adapter_lr
+        return self.cfg.lr
+
     def _new_optimizer(self) -> None:
         params = [p for p in self._model().parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
-            params, lr=self.cfg.lr, betas=self.cfg.betas, weight_decay=self.cfg.weight_decay)
+            params, lr=self.lr, betas=self.cfg.betas, weight_decay=self.cfg.weight_decay)
 
     @property
     def limits(self) -> ModelLimits:
@@ -222,7 +229,15 @@ class TorchBackend:
         assert self.optimizer is not None
         state = adapter_dir / "trainer_state" / OPTIMIZER_FILE
         if state.is_file():
-            self.optimizer.load_state_dict(torch.load(state, map_location=self.device))
+            self._load_optimizer(torch.load(state, map_location=self.device))
+
+    def _load_optimizer(self, state: dict[str, Any]) -> None:
+        """Saved moments and step counts; the learning rate stays the one configured now
+        (AdamW's state would bring back the lr it was saved with)."""
+        assert self.optimizer is not None
+        self.optimizer.load_state_dict(state)
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.lr
 
     def save_adapter(self, adapter_dir: Path) -> None:
         """The live adapter as a PEFT folder (what the engine loads) + its optimizer state."""
@@ -238,5 +253,4 @@ class TorchBackend:
             missing = self._model().load_state_dict(adapters, strict=False).unexpected_keys
             if missing:
                 raise RuntimeError(f"adapter state has unknown keys: {missing[:3]}")
-        opt_state = torch.load(state_dir / OPTIMIZER_FILE, map_location=self.device)
-        self.optimizer.load_state_dict(opt_state)
+        self._load_optimizer(torch.load(state_dir / OPTIMIZER_FILE, map_location=self.device))

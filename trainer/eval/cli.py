@@ -91,6 +91,8 @@ def parse_args(argv: list[str]) -> EvalConfig:
     p.add_argument("--seeds", default=None,
                    help="run everything once per seed, e.g. 0,1,2 (overrides --seed)")
     p.add_argument("--lr", type=float, default=EvalConfig.lr, help="trainer learning rate")
+    p.add_argument("--adapter-lr", type=float, default=EvalConfig.adapter_lr,
+                   help="--personal: the per-user adapters' learning rate")
     p.add_argument("--kl-coef", type=float, default=0.05)
     p.add_argument("--batch-size", type=int, default=None,
                    help=f"samples per version (default {EvalConfig.batch_size}; "
@@ -164,7 +166,8 @@ def parse_args(argv: list[str]) -> EvalConfig:
                       users_per_pref=args.users_per_pref, rounds=args.rounds,
                       sessions=args.sessions, parallel=args.parallel, probes=args.probes,
                       seed=seeds[0], seeds=seeds,
-                      lr=args.lr, kl_coef=args.kl_coef, batch_size=args.batch_size,
+                      lr=args.lr, adapter_lr=args.adapter_lr, kl_coef=args.kl_coef,
+                      batch_size=args.batch_size,
                       round_timeout_s=args.round_timeout, proxy_url=args.proxy_url,
                       keep_db=args.keep_db, followups=args.followups,
                       engine_url=args.engine_url, judge_engine=args.judge_engine,

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from trainer.config import TINYWORLD_RECIPE
+
 METHODS = ("combine", "rl", "opd", "none")
 # `--personal`: `combine` with one LoRA adapter per user (trainer/personal.py), each user's
 # batch `batch_size` / users (at least PERSONAL_MIN_BATCH), against the shared model.
@@ -44,14 +46,16 @@ class EvalConfig:
     seed: int = 0
     seeds: tuple[int, ...] = ()  # several seeds: the whole run once per seed (default: `seed`)
     world_seed: int = 0
-    # Measured on the tiny world model (docs/eval.md): at 32 samples per version,
-    # lr 3e-4 is too slow (0.6-0.75 at v8), 6e-4 just reaches 0.9 at v8, 8e-4 by v4-v8
-    # (seed-dependent) with answer accuracy down 4-6 points by v8 on some seeds; 64 samples
-    # per version at 8e-4 reach 0.9 by v4-v6 on three seeds within 3 points of accuracy
-    # (a less noisy step, at about 1.5x the chat per round).
-    lr: float = 8e-4
-    kl_coef: float = 0.05
-    batch_size: int = 64
+    # The tiny world's recipe, what `clawrl up` trains it with (trainer/config.py). Measured
+    # (docs/eval.md): at 32 samples per version, lr 3e-4 is too slow (0.6-0.75 at v8), 6e-4
+    # just reaches 0.9 at v8, 8e-4 by v4-v8 (seed-dependent) with answer accuracy down 4-6
+    # points by v8 on some seeds; 64 samples per version at 8e-4 reach 0.9 by v4-v6 on three
+    # seeds within 3 points of accuracy (a less noisy step, at about 1.5x the chat per round).
+    lr: float = float(TINYWORLD_RECIPE["lr"])
+    # `personal`: the adapters' learning rate (docs/eval.md "One adapter per user").
+    adapter_lr: float = float(TINYWORLD_RECIPE["adapter_lr"])
+    kl_coef: float = float(TINYWORLD_RECIPE["kl_coef"])
+    batch_size: int = int(TINYWORLD_RECIPE["batch_size"])
     round_timeout_s: float = 900.0
     engine_threads: int = 1
     # Keep each method's database (its URL in <out>/<method>/database.txt) to query with SQL.
@@ -104,4 +108,5 @@ def stack_env(config: EvalConfig, method: str) -> dict[str, str]:
            "CLAWRL_TRAINER__SEED": str(config.seed)}
     if method == PERSONAL:
         env["CLAWRL_TRAINER__PERSONAL"] = "true"
+        env["CLAWRL_TRAINER__ADAPTER_LR"] = str(config.adapter_lr)
     return env
