@@ -33,6 +33,7 @@ from sqlalchemy.engine import make_url
 
 from judge.config import JudgeProcessSettings, load_judge_settings
 from judge.worker import Worker
+from proxy.bench import pct
 from proxy.db import Turn, User, create_async, create_engine, libpq_url
 from proxy.jobs import claim_stmt, enqueue_stmt, notify_stmt
 
@@ -108,11 +109,6 @@ async def wait_done(db: Engine, ids: list[int], timeout_s: float = 1800) -> None
         if time.monotonic() > deadline:
             raise TimeoutError("judge jobs did not finish")
         await asyncio.sleep(0.02)
-
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
 async def bench_engine(settings: JudgeProcessSettings, db_url: str, turns: int,
