@@ -276,9 +276,10 @@ def test_personal_users_train_their_own_batches_with_the_same_settings() -> None
     config = evalconfig.EvalConfig(model=Path("m"), out=Path("o"), prefs=("lowercase", "uppercase"))
     shared, personal = (evalconfig.stack_env(config, m) for m in ("combine", "personal"))
     assert personal.pop("CLAWRL_TRAINER__PERSONAL") == "true"
-    # Each of the two users fills a batch of their own: half the shared model's.
-    assert (shared.pop("CLAWRL_TRAINER__BATCH_SIZE"), personal.pop("CLAWRL_TRAINER__BATCH_SIZE")) \
-        == ("64", "32")
+    assert personal.pop("CLAWRL_TRAINER__ADAPTER_LR") == str(config.adapter_lr)
+    # Each user's adapter trains on a batch of their own samples as big as the shared
+    # model's batch of everyone's, as `clawrl up --personal` trains it.
+    assert shared["CLAWRL_TRAINER__BATCH_SIZE"] == personal["CLAWRL_TRAINER__BATCH_SIZE"] == "64"
     assert shared == personal  # the trainer's method is combine for both
 
 

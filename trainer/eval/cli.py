@@ -95,8 +95,8 @@ def parse_args(argv: list[str]) -> EvalConfig:
                    help="--personal: the per-user adapters' learning rate")
     p.add_argument("--kl-coef", type=float, default=0.05)
     p.add_argument("--batch-size", type=int, default=None,
-                   help=f"samples per version (default {EvalConfig.batch_size}; "
-                        f"{SMALL_BATCH} with --small)")
+                   help=f"samples per version, per user with --personal (default "
+                        f"{EvalConfig.batch_size}; {SMALL_BATCH} with --small)")
     p.add_argument("--round-timeout", type=float, default=900.0)
     p.add_argument("--keep-db", action="store_true",
                    help="keep each method's database (URL in <out>/<method>/database.txt) "

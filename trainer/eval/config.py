@@ -9,12 +9,12 @@ from pathlib import Path
 from trainer.config import TINYWORLD_RECIPE
 
 METHODS = ("combine", "rl", "opd", "none")
-# `--personal`: `combine` with one LoRA adapter per user (trainer/personal.py), each user's
-# batch `batch_size` / users (at least PERSONAL_MIN_BATCH), against the shared model.
+# `--personal`: `combine` with one LoRA adapter per user (trainer/personal.py), against the
+# shared model. Each user's adapter trains on `batch_size` of that user's own samples, as
+# `clawrl up --personal` trains it.
 PERSONAL = "personal"
 ALL_METHODS = (*METHODS, PERSONAL)
 PERSONAL_PREFS = ("lowercase", "uppercase")
-PERSONAL_MIN_BATCH = 16
 SMALL_ROUNDS = 4  # `--small`: a CI-sized run
 SMALL_BATCH = 32  # `--small` has one user: half the chat per version
 PARTIAL_AFTER_S = 45
@@ -81,19 +81,11 @@ def trainer_method(method: str) -> str:
     return "combine" if method == PERSONAL else method
 
 
-def batch_size(config: EvalConfig, method: str) -> int:
-    """Samples per version: of everyone, or in personal mode of one user."""
-    if method != PERSONAL:
-        return config.batch_size
-    users = len(config.prefs) * config.users_per_pref
-    return max(PERSONAL_MIN_BATCH, config.batch_size // users)
-
-
 def stack_env(config: EvalConfig, method: str) -> dict[str, str]:
     """Trainer and judge settings of one method's stack (the same for every method but the
     method). The judge works on as many turns at once as the users hold conversations, so
     the engine batches its votes with the users' requests."""
-    batch = batch_size(config, method)
+    batch = config.batch_size
     env = {"CLAWRL_JUDGE__CONCURRENCY": str(max(4, config.parallel * len(config.prefs)
                                                 * config.users_per_pref)),
            "CLAWRL_TRAINER__METHOD": trainer_method(method), "CLAWRL_TRAINER__LR": str(config.lr),

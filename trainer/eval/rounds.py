@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from proxy.stack import StackError
-from trainer.eval.config import CONNECTED, PERSONAL, EvalConfig, batch_size
+from trainer.eval.config import CONNECTED, PERSONAL, EvalConfig
 from trainer.world.town import World
 
 
@@ -55,7 +55,7 @@ async def run_rounds(config: EvalConfig, method: str, proxy_url: str, db_url: st
                 # then wait for that version: one published version per round.
                 # (personal: every user's own batch, the smallest decides)
                 start = (await loop_state(db, method))[2]
-                batch = batch_size(config, method)
+                batch = config.batch_size
                 # (about 16 samples per wave of 2 users x 4 sessions: scale with the batch)
                 waves = config.max_chats * -(-batch * (len(users) if method == PERSONAL else 1)
                                              // 32)
