@@ -201,7 +201,8 @@ def ensure_model(model: Path | None, state_dir: Path, env: dict[str, str], *,
         # first run pretrains for minutes, later runs return at once.
         verb = "build"
         if not (model / "tinyworld.json").is_file():
-            print(f"pretraining the tiny world model into {model} (first run only; minutes) …",
+            print(f"making the tiny world model in {model} (first run only: the shipped build "
+                  "is copied; pretrained, for minutes, only when the corpus changed) …",
                   flush=True)
     elif (model / "config.json").is_file():
         return model
