@@ -397,3 +397,20 @@ async def test_the_issue_user_says_exactly_its_two_sentences() -> None:
     with pytest.raises(ValueError, match="only asks for lowercase"):
         phrasings("issue").correction("brief", random.Random(0))
     await user.client.close()
+
+
+def test_a_keyed_engine_is_asked_for_its_version_with_its_key(
+        tiny_model_dir: Path, engine_factory: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`clawrl eval --proxy-url` against `clawrl up`: its engine needs the key (from the
+    running stack's file, or CLAWRL_ENGINE__API_KEY); without one, a clear error."""
+    import asyncio
+
+    from proxy.stack import StackError
+    from trainer.eval.rounds import _serving_version
+
+    url = engine_factory(tiny_model_dir, "--api-key", "stack-key")
+    monkeypatch.delenv("CLAWRL_ENGINE__API_KEY", raising=False)
+    with pytest.raises(StackError, match="answered 401 .set CLAWRL_ENGINE__API_KEY"):
+        asyncio.run(_serving_version(url))
+    monkeypatch.setenv("CLAWRL_ENGINE__API_KEY", "stack-key")
+    assert asyncio.run(_serving_version(url)) == "0"

@@ -8,6 +8,7 @@ judge jobs left, usable samples not yet trained, the newest version served.
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import time
 from typing import Any
@@ -123,12 +124,24 @@ async def _adapter_versions(db: Any) -> dict[str, tuple[str, dict[str, Any]]]:
                                "train_reward_mean": r[4]}) for r in rows}
 
 
+async def _engine_version(http: Any, engine_url: str) -> Any:
+    """The engine's `weight_version`, asked with its key when it needs one (`clawrl up`'s
+    engine: CLAWRL_ENGINE__API_KEY, from the running stack's file in connected mode)."""
+    key = os.environ.get("CLAWRL_ENGINE__API_KEY")
+    resp = await http.get(f"{engine_url}/model_info",
+                          headers={"Authorization": f"Bearer {key}"} if key else None)
+    if resp.status_code != 200:
+        raise StackError(f"the engine's /model_info answered {resp.status_code}"
+                         + (" (set CLAWRL_ENGINE__API_KEY to its key)"
+                            if resp.status_code == 401 else ""))
+    return resp.json().get("weight_version")
+
+
 async def _serving_version(engine_url: str) -> str:
     import httpx
 
     async with httpx.AsyncClient(timeout=10.0) as http:
-        info = (await http.get(f"{engine_url}/model_info")).json()
-    version = info.get("weight_version")
+        version = await _engine_version(http, engine_url)
     # The base model serves under the engine's initial label ("default"): call it version 0.
     return "0" if version in (None, "default") else str(version)
 
@@ -136,10 +149,13 @@ async def _serving_version(engine_url: str) -> str:
 def run_connected(config: EvalConfig, on_round: Any) -> None:
     """Measure an already running stack (its own trainer and method) over `--rounds`."""
     from proxy.settings import load_settings
+    from proxy.statefile import apply_to_env
 
+    apply_to_env(os.environ)  # a running `clawrl up`: its database and engine key
     settings = load_settings()
     if settings.database.url is None or not (config.proxy_url and config.engine_url):
-        raise StackError("--proxy-url needs CLAWRL_DATABASE__URL (to create the users' keys)")
+        raise StackError("--proxy-url needs a running `clawrl up` or CLAWRL_DATABASE__URL (to "
+                         "create the users' keys)")
     db_url = settings.database.url.get_secret_value()
     proxy_url = config.proxy_url.rstrip("/").removesuffix("/v1")
     asyncio.run(run_rounds(config, CONNECTED, proxy_url, db_url,
@@ -215,7 +231,7 @@ async def wait_published(db: Any, method: str, engine_url: str, after: int,
                 # reads the row within its key cache's time to live.
                 await asyncio.sleep(CACHE_TTL_S + 0.5)
                 return newest
-            serving = (await http.get(f"{engine_url}/model_info")).json().get("weight_version")
+            serving = await _engine_version(http, engine_url)
             if newest > after and str(newest) == str(serving):
                 return newest
     raise StackError(f"the trainer published nothing after v{after} within {timeout_s:.0f} s "
