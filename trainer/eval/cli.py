@@ -219,6 +219,7 @@ def run_eval(config: EvalConfig) -> int:
 
             if config.proxy_url and config.engine_url:
                 run_connected(config, on_round)
+                _write(config, rows, started)
             for seed in () if config.proxy_url else seeds:
                 # one seed: its stacks right under --out; several: each under <out>/seed-N
                 run = replace(config, seed=seed, out=config.out / f"seed-{seed}"
