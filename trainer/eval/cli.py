@@ -93,7 +93,7 @@ def parse_args(argv: list[str]) -> EvalConfig:
     p.add_argument("--lr", type=float, default=EvalConfig.lr, help="trainer learning rate")
     p.add_argument("--adapter-lr", type=float, default=EvalConfig.adapter_lr,
                    help="--personal: the per-user adapters' learning rate")
-    p.add_argument("--kl-coef", type=float, default=0.05)
+    p.add_argument("--kl-coef", type=float, default=EvalConfig.kl_coef)
     p.add_argument("--batch-size", type=int, default=None,
                    help=f"samples per version, per user with --personal (default "
                         f"{EvalConfig.batch_size}; {SMALL_BATCH} with --small)")

@@ -124,24 +124,32 @@ async def _adapter_versions(db: Any) -> dict[str, tuple[str, dict[str, Any]]]:
                                "train_reward_mean": r[4]}) for r in rows}
 
 
-async def _engine_version(http: Any, engine_url: str) -> Any:
-    """The engine's `weight_version`, asked with its key when it needs one (`clawrl up`'s
-    engine: CLAWRL_ENGINE__API_KEY, from the running stack's file in connected mode)."""
-    key = os.environ.get("CLAWRL_ENGINE__API_KEY")
-    resp = await http.get(f"{engine_url}/model_info",
-                          headers={"Authorization": f"Bearer {key}"} if key else None)
-    if resp.status_code != 200:
-        raise StackError(f"the engine's /model_info answered {resp.status_code}"
-                         + (" (set CLAWRL_ENGINE__API_KEY to its key)"
-                            if resp.status_code == 401 else ""))
-    return resp.json().get("weight_version")
+def _engine(engine_url: str) -> Any:
+    """An `EngineClient` for the engine at `engine_url`, with the key the environment names
+    (`clawrl up`'s engine needs one; in connected mode it comes from the stack's file)."""
+    from proxy.engine_client import EngineClient
+    from proxy.settings import load_settings
+
+    key = load_settings().engine.api_key
+    return EngineClient(engine_url, api_key=key.get_secret_value() if key else None,
+                        timeout=10.0)
+
+
+async def _engine_version(engine: Any) -> Any:
+    """The engine's `weight_version` (None while it serves the base model's label only)."""
+    from proxy.engine_client import EngineClientError
+
+    try:
+        return (await engine.model_info()).get("weight_version")
+    except EngineClientError as exc:
+        what = f"answered {exc.status}" if exc.status else f"failed: {exc}"
+        hint = " (set CLAWRL_ENGINE__API_KEY to its key)" if exc.status == 401 else ""
+        raise StackError(f"the engine's /model_info {what}{hint}") from exc
 
 
 async def _serving_version(engine_url: str) -> str:
-    import httpx
-
-    async with httpx.AsyncClient(timeout=10.0) as http:
-        version = await _engine_version(http, engine_url)
+    async with _engine(engine_url) as engine:
+        version = await _engine_version(engine)
     # The base model serves under the engine's initial label ("default"): call it version 0.
     return "0" if version in (None, "default") else str(version)
 
@@ -216,13 +224,11 @@ async def wait_judged(db: Any, method: str, timeout_s: float, poll_s: float = 1.
 async def wait_published(db: Any, method: str, engine_url: str, after: int,
                          timeout_s: float, poll_s: float = 1.0) -> int:
     """Wait until a version newer than `after` is published and the engine serves it."""
-    import httpx
-
     from proxy.auth import CACHE_TTL_S
 
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
-    async with httpx.AsyncClient(timeout=10.0) as http:
+    async with _engine(engine_url) as engine:
         while loop.time() < deadline:
             await asyncio.sleep(poll_s)
             newest = (await loop_state(db, method))[2]
@@ -231,7 +237,7 @@ async def wait_published(db: Any, method: str, engine_url: str, after: int,
                 # reads the row within its key cache's time to live.
                 await asyncio.sleep(CACHE_TTL_S + 0.5)
                 return newest
-            serving = await _engine_version(http, engine_url)
+            serving = await _engine_version(engine)
             if newest > after and str(newest) == str(serving):
                 return newest
     raise StackError(f"the trainer published nothing after v{after} within {timeout_s:.0f} s "
