@@ -51,7 +51,8 @@ def says_too_long(message: str) -> bool:
 
 
 class JobInvalid(JudgeError):
-    """The job cannot be judged: its turn is gone or has no next state."""
+    """The job cannot be judged: its turn is gone or has no next state (and, for an
+    outcome-only job, its session no outcome)."""
 
     transient = False
 

@@ -8,6 +8,14 @@ turn, the `samples` row. If the job's lease was taken over meanwhile, nothing is
 Never judged (job done, no judgment): user opted out of training, side turns.
 Judged as skipped (judgment with reason, no votes, no sample): turn status not ok, empty
 response, response cut off by the length limit, judge prompt over the judge's context.
+
+Outcome only: a session's final turn has no next state, so only its session's outcome says
+how it went; the proxy enqueues its job with the `OUTCOME_ONLY` payload marker when the
+outcome arrives (proxy/sessions.py). No judge model is asked: the judgment has reward NULL
+and no votes, the sample carries no reward and no teacher, and the trainer trains it with
+the session outcome alone. If the turn was continued after all, the job its continuation
+enqueued judges it (superseding an untrained outcome-only sample); this one then ends
+unjudged, or judges it normally when there is no such job.
 """
 
 from __future__ import annotations
@@ -43,8 +51,8 @@ from judge.prompts import (
     score_first,
 )
 from judge.teacher import TeacherEngine, TeacherResult, compute_teacher_logprobs
-from proxy.db import Feedback, Judgment, Sample, Turn, User
-from proxy.jobs import ClaimedJob, complete_stmt
+from proxy.db import ChatSession, Feedback, Job, Judgment, Sample, Turn, User
+from proxy.jobs import OUTCOME_ONLY, ClaimedJob, complete_stmt
 
 log = logging.getLogger("clawrl.judge")
 
@@ -53,7 +61,7 @@ log = logging.getLogger("clawrl.judge")
 class Outcome:
     """What a job ended as, for logs and tests."""
 
-    action: str  # judged | skipped | not_judged | lease_lost
+    action: str  # judged | outcome_only | skipped | not_judged | lease_lost
     judgment_id: int | None = None
     sample_id: int | None = None
     reward: int | None = None
@@ -66,6 +74,10 @@ class Verdict:
     hints: HintResult | None
     teacher: TeacherResult | None
     reason: str | None
+    outcome_only: bool = False  # no judge asked: the session outcome is the only signal
+
+
+OUTCOME_ONLY_REASON = "outcome only: the session's final turn has no next state"
 
 
 def skip_reason(turn: Turn) -> str | None:
@@ -79,9 +91,11 @@ def skip_reason(turn: Turn) -> str | None:
     return None
 
 
-def sample_blocker(turn: Turn, reward: int | None, teacher: list[float] | None) -> str | None:
-    """Why a judged turn gets no sample, or None when it is trainable."""
-    if reward is None and teacher is None:
+def sample_blocker(turn: Turn, reward: int | None, teacher: list[float] | None, *,
+                   outcome_only: bool = False) -> str | None:
+    """Why a judged turn gets no sample, or None when it is trainable. An outcome-only
+    turn needs neither a reward nor a teacher: its session's outcome is the signal."""
+    if reward is None and teacher is None and not outcome_only:
         return "no sample: no reward and no teacher logprobs"
     if not turn.prompt_ids or not turn.response_ids:
         return "no sample: token ids missing"
@@ -173,7 +187,10 @@ async def store_verdict(conn: AsyncConnection, job: ClaimedJob, worker: str, tur
     reward = prm.reward if prm else None
     teacher_lp = teacher.logprobs if teacher else None
     # A skipped turn gets no sample for the skip reason; a judged one may lack a signal.
-    blocker = verdict.reason if prm is None else sample_blocker(turn, reward, teacher_lp)
+    if prm is None and not verdict.outcome_only:
+        blocker = verdict.reason
+    else:
+        blocker = sample_blocker(turn, reward, teacher_lp, outcome_only=verdict.outcome_only)
     reason = "; ".join(r for r in dict.fromkeys((verdict.reason, blocker)) if r) or None
     judgment_id = (await conn.execute(insert(Judgment).values(
         turn_id=turn.id, prompt_version=prompt_version,
@@ -198,7 +215,8 @@ async def store_verdict(conn: AsyncConnection, job: ClaimedJob, worker: str, tur
         ).returning(Sample.id))).scalar_one()
     if (await conn.execute(complete_stmt(job.id, worker))).first() is None:
         return Outcome("lease_lost")
-    action = "skipped" if verdict.prm is None else "judged"
+    action = ("outcome_only" if verdict.outcome_only
+              else "skipped" if verdict.prm is None else "judged")
     return Outcome(action, judgment_id=judgment_id, sample_id=sample_id, reward=reward,
                    reason=blocker or verdict.reason)
 
@@ -208,6 +226,25 @@ async def finish_unjudged(conn: AsyncConnection, job: ClaimedJob, worker: str,
     if (await conn.execute(complete_stmt(job.id, worker, note=note))).first() is None:
         return Outcome("lease_lost")
     return Outcome("not_judged", reason=note)
+
+
+async def session_outcome(conn: AsyncConnection, turn: Turn) -> float | None:
+    if turn.session_id is None:
+        return None
+    outcome = (await conn.execute(select(ChatSession.outcome)
+                                  .where(ChatSession.id == turn.session_id))).scalar()
+    return None if outcome is None else float(outcome)
+
+
+async def continuation_job(conn: AsyncConnection, job: ClaimedJob) -> int | None:
+    """Another judge job of this outcome-only job's turn that is not outcome-only (the one
+    the request continuing the turn enqueued), unless it failed."""
+    found = (await conn.execute(
+        select(Job.id).where(Job.turn_id == job.turn_id, Job.kind == "judge", Job.id != job.id,
+                             Job.status.in_(("queued", "running", "done")),
+                             Job.payload[OUTCOME_ONLY].astext.is_distinct_from("true"))
+        .order_by(Job.id).limit(1))).scalar()
+    return None if found is None else int(found)
 
 
 async def judge_job(db: AsyncEngine, job: ClaimedJob, worker: str, *, settings: JudgeSettings,
@@ -221,18 +258,29 @@ async def judge_job(db: AsyncEngine, job: ClaimedJob, worker: str, *, settings: 
         check_version(prompt_version)
     except (FileNotFoundError, ValueError) as exc:
         raise JobInvalid(f"prompt version {prompt_version!r}: {exc}") from exc
+    outcome_only = bool(job.payload.get(OUTCOME_ONLY))
+    final_outcome: float | None = None
     async with db.connect() as conn:
         turn, opted_out, feedback = await load_turn(conn, job.turn_id)
-    if opted_out or turn.kind != "main":
         note = ("not judged: user opted out of training" if opted_out
-                else f"not judged: {turn.kind} turn")
+                else f"not judged: {turn.kind} turn" if turn.kind != "main" else None)
+        if note is None and outcome_only:
+            if turn.next_state is None:
+                final_outcome = await session_outcome(conn, turn)
+            elif (other := await continuation_job(conn, job)) is not None:
+                note = f"not judged: continued, judged by job {other}"
+    if note is not None:
         async with db.begin() as conn:
             return await finish_unjudged(conn, job, worker, note)
-    if turn.next_state is None:
-        raise JobInvalid(f"turn {turn.id} has no next state")
+    if turn.next_state is None and final_outcome is None:
+        raise JobInvalid(f"turn {turn.id} has no next state"
+                         + (" and its session no outcome" if outcome_only else ""))
     reason = skip_reason(turn)
     if reason is not None:
         verdict = Verdict(prm=None, hints=None, teacher=None, reason=reason)
+    elif turn.next_state is None:  # the session's final turn: its outcome is the signal
+        verdict = Verdict(prm=None, hints=None, teacher=None, reason=OUTCOME_ONLY_REASON,
+                          outcome_only=True)
     else:
         try:
             verdict = await run_judges(turn, feedback, settings=settings, backend=backend,

@@ -21,6 +21,9 @@ from proxy.db import Job
 
 # LISTEN/NOTIFY channel; the payload is the job kind.
 JOB_CHANNEL = "clawrl_jobs"
+# Payload key of a judge job enqueued because the turn's session got an outcome: the turn
+# is the session's final one and had no next state (proxy/sessions.py, judge/judgment.py).
+OUTCOME_ONLY = "outcome_only"
 
 
 def enqueue_stmt(kind: str, turn_id: int | None = None,

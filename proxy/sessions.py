@@ -18,11 +18,14 @@ every request (`proxy.fingerprint_system`).
 A match consumes the turn (it is no longer open), and candidates are locked with
 `FOR UPDATE SKIP LOCKED`, so two concurrent sessions with identical openings each continue
 a different turn. A turn never continued is closed by `close_stale_turns` after the session
-timeout and is never trained.
+timeout and is never judged, unless it is its session's final turn and the session gets an
+outcome (below).
 
 A session's outcome (a verifier's number in [-1, 1]) is set by `set_outcome`
 (`POST /v1/sessions/{id}/outcome`) or by the `X-Session-Outcome` header of any of its
-requests, in the transaction that records that request; the last one set wins.
+requests, in the transaction that records that request; the last one set wins. Either way
+the session's final main turn, which no request continues, gets an outcome-only judge job
+in the same transaction (`enqueue_final_judge`), so the outcome trains it too.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from sqlalchemy.types import ARRAY
 
 from proxy.db import ChatSession, Turn
-from proxy.jobs import enqueue_stmt, notify_stmt
+from proxy.jobs import OUTCOME_ONLY, enqueue_stmt, notify_stmt
 from proxy.openai_types import loads_bounded
 from proxy.records import TurnRecord
 
@@ -220,10 +223,35 @@ def session_candidates(user_id: int, ref: str) -> list[uuid.UUID]:
     return found
 
 
+# The session's final main turn has no next state, so no request ever enqueues its judge
+# job; its session's outcome does (an outcome-only job: judge/judgment.py). Not for a failed
+# turn, one continued after all, an opted-out user's, or one that already has a judge job
+# (the outcome set again). Callers hold the session row's lock (the outcome's UPDATE or
+# upsert), so two outcomes of one session cannot both pass the NOT EXISTS.
+_ENQUEUE_FINAL = text(f"""
+INSERT INTO jobs (kind, turn_id, payload)
+SELECT 'judge', t.id, '{{"{OUTCOME_ONLY}": true}}'::jsonb
+FROM turns t JOIN users u ON u.id = t.user_id
+WHERE t.id = (SELECT id FROM turns WHERE session_id = :session_id AND kind = 'main'
+              ORDER BY index_in_session DESC, id DESC LIMIT 1)
+  AND t.status = 'ok' AND t.next_state IS NULL AND NOT u.train_opt_out
+  AND NOT EXISTS (SELECT 1 FROM jobs j WHERE j.turn_id = t.id AND j.kind = 'judge'
+                  AND j.status IN ('queued', 'running', 'done'))
+RETURNING id
+""")
+
+
+async def enqueue_final_judge(conn: AsyncConnection, session_id: uuid.UUID) -> bool:
+    """Enqueue the outcome-only judge job of the session's final main turn, if it needs one
+    (see `_ENQUEUE_FINAL`); whether it did. The caller sends the NOTIFY."""
+    return (await conn.execute(_ENQUEUE_FINAL, {"session_id": session_id})).first() is not None
+
+
 async def set_outcome(conn: AsyncConnection, *, user_id: int, ref: str, outcome: float,
                       key_id: int | None) -> uuid.UUID | None:
-    """Set the outcome of `user_id`'s session named `ref` (see `session_candidates`); the
-    session's id, or None when the user has no such session (another user's included)."""
+    """Set the outcome of `user_id`'s session named `ref` (see `session_candidates`) and
+    enqueue its final turn's judge job (`enqueue_final_judge`); the session's id, or None
+    when the user has no such session (another user's included)."""
     candidates = session_candidates(user_id, ref)
     target = (select(ChatSession.id)
               .where(ChatSession.user_id == user_id, ChatSession.id.in_(candidates))
@@ -236,7 +264,12 @@ async def set_outcome(conn: AsyncConnection, *, user_id: int, ref: str, outcome:
         .values(outcome=outcome, outcome_source="api", outcome_key_id=key_id,
                 outcome_at=func.now())
         .returning(ChatSession.id))).scalar()
-    return None if row is None else uuid.UUID(str(row))
+    if row is None:
+        return None
+    session_id = uuid.UUID(str(row))
+    if await enqueue_final_judge(conn, session_id):
+        await conn.execute(notify_stmt("judge"))
+    return session_id
 
 
 async def _next_index(conn: AsyncConnection, session_id: uuid.UUID) -> int:
@@ -320,6 +353,9 @@ async def _record_turn(conn: AsyncConnection, rec: TurnRecord, include_system: b
     if rec.session_done and session_id is not None:
         await conn.execute(update(Turn).where(Turn.session_id == session_id,
                                               Turn.state == "open").values(state="closed"))
+    if rec.session_outcome is not None and session_id is not None and not rec.train_opt_out:
+        # Usually the session's last request: this turn is its final one (until continued).
+        judged = await enqueue_final_judge(conn, session_id) or judged
     return judged
 
 

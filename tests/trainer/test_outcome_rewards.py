@@ -207,3 +207,33 @@ def test_outcome_wait_holds_a_sample_until_its_outcome_or_the_deadline(
     assert claim is not None and no_outcome in claim.batch.sample_ids
     assert claim.outcomes[claim.batch.sample_ids.index(no_outcome)] is None
     claim.release()
+
+
+def test_an_outcome_only_sample_trains_on_its_outcome_under_every_method(
+        db: Engine, add_sample: SampleFactory) -> None:
+    """The judge's sample of a session's final turn (judge/judgment.py, outcome only) has no
+    reward and no teacher: its session's outcome is its whole signal. Claimed under every
+    method while outcome_weight > 0, its loss is −w_rl · o per token (ratio 1); skipped as
+    no_signal when outcome_weight is 0."""
+    trained: dict[int, tuple[Any, ...]] = {}
+    for step, method in enumerate(("rl", "opd", "combine"), start=1):
+        final = add_sample(reward=None, teacher_logprobs=None)
+        _session(db, [final], outcome=-1.0)
+        settings = cfg(method=method, outcome_weight=0.5, kl_coef=0.0)
+        claim, skipped = claim_batch(db, settings, LIMITS, 0)
+        assert claim is not None and claim.batch.sample_ids == [final] and not skipped
+        assert claim.outcomes == [-1.0] and claim.batch.has_reward.tolist() == [False]
+        assert claim.batch.has_teacher.tolist() == [False]
+        mask = signal_mask(settings, claim.batch)
+        assert int(mask.sum()) == 2, method
+        terms = micro_batch_loss(settings, claim.batch, claim.batch.rollout_logp, 2)
+        # r = o alone (no process reward) = −1; A = w_rl · r = −1; loss = −A = 1.
+        assert terms.loss.item() == pytest.approx(1.0), method
+        record_step(claim, step=_step(step), version=None, trained=True)
+        trained[final] = (step, None, -1.0)
+
+    ignored = add_sample(reward=None, teacher_logprobs=None)
+    _session(db, [ignored], outcome=1.0)
+    claim, skipped = claim_batch(db, cfg(outcome_weight=0.0), LIMITS, 0, give_up_after_s=0.1)
+    assert claim is None and skipped == {"no_signal": 1}
+    assert _samples(db) == {**trained, ignored: (None, "no_signal", None)}
