@@ -24,7 +24,12 @@ def clawrl(*args: str, env: dict[str, str] | None = None,
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (["nope"], "clawrl env: unknown environment 'nope' (known: terminal)"),
+    (["nope"], "clawrl env: unknown environment 'nope' (known: terminal, toolcall)"),
+    (["toolcall", "--split", "dev"], "clawrl env: unknown split 'dev' (train or heldout)"),
+    (["terminal", "--split", "heldout"],
+     "clawrl env: --split applies to the toolcall environment, not 'terminal'"),
+    (["toolcall", "--tasks", "write_file"],
+     "clawrl env: --tasks applies to the terminal environment, not 'toolcall'"),
     (["terminal", "--tasks", "write_file,fly"], "clawrl env: unknown terminal task 'fly'"),
     (["terminal", "--episodes", "0"], "clawrl env: --episodes must be at least 1"),
     (["terminal", "--episodes", "x"], "clawrl env: argument --episodes: invalid int value"),

@@ -246,11 +246,29 @@ def test_several_seeds_table_shows_the_mean_and_curve_the_band(tmp_path: Path) -
     (["--seeds", "1,1"], "--seeds needs distinct integers, got '1,1'"),
     (["--seeds", "0,1", "--proxy-url", "http://p", "--engine-url", "http://e"],
      "--seeds needs a stack per seed"),
+    (["--track", "toolcall", "--personal"], "--track toolcall takes none of --small"),
+    (["--track", "toolcall", "--methods", "combine"],
+     "unknown or missing method/preference: ['combine']"),
+    (["--track", "toolcall", "--proxy-url", "http://p", "--engine-url", "http://e"],
+     "--track toolcall starts its own stacks"),
+    (["--track", "tools"], "invalid choice: 'tools'"),
 ])
 def test_bad_arguments_are_one_clear_line(argv: list[str], message: str,
                                           capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_toolcall_track_defaults_and_its_methods_settings() -> None:
+    config = cli.parse_args(["--track", "toolcall"])
+    assert config.track == "toolcall" and config.model.name == "tinyworld-tools"
+    assert config.methods == ("outcome+process", "outcome", "process", "none")
+    envs = [evalconfig.stack_env(config, m) for m in config.methods[:3]]
+    # All train with rl; only the outcome's weight differs (1.0: the outcome alone, 0: the
+    # judge's process reward alone).
+    assert [e.pop("CLAWRL_TRAINER__OUTCOME_WEIGHT") for e in envs] == ["0.5", "1.0", "0.0"]
+    assert [evalconfig.trainer_method(m) for m in config.methods[:3]] == ["rl"] * 3
+    assert envs[0] == envs[1] == envs[2]
 
 
 def test_defaults_and_the_small_run() -> None:
@@ -406,11 +424,53 @@ def test_a_keyed_engine_is_asked_for_its_version_with_its_key(
     import asyncio
 
     from proxy.stack import StackError
-    from trainer.eval.rounds import _serving_version
+    from trainer.eval.rounds import serving_version
 
     url = engine_factory(tiny_model_dir, "--api-key", "stack-key")
     monkeypatch.delenv("CLAWRL_ENGINE__API_KEY", raising=False)
     with pytest.raises(StackError, match="answered 401 .set CLAWRL_ENGINE__API_KEY"):
-        asyncio.run(_serving_version(url))
+        asyncio.run(serving_version(url))
     monkeypatch.setenv("CLAWRL_ENGINE__API_KEY", "stack-key")
-    assert asyncio.run(_serving_version(url)) == "0"
+    assert asyncio.run(serving_version(url)) == "0"
+
+
+def test_the_toolcall_track_trains_from_outcomes_through_the_real_stack(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`clawrl eval --track toolcall`: the shipped tool-call model behind the real engine,
+    proxy, judge and trainer; the agent's episodes through the pool; one version trained from
+    the outcomes; held-out probes as side turns that post no outcome."""
+    import psycopg
+
+    from trainer.eval.stack import drop_database
+    from trainer.world.pretrain import TOOLS_BUILD, prebuilt
+
+    model = prebuilt(TOOLS_BUILD)
+    assert model is not None
+    out = tmp_path / "eval"
+    rows = _eval_rows(["--track", "toolcall", "--model", str(model), "--methods", "outcome",
+                       "--rounds", "1", "--probes", "8", "--batch-size", "16",
+                       "--no-judge-engine", "--keep-db"], out, monkeypatch)
+    assert [(r["method"], r["round"], r["version"], r["pref"]) for r in rows] == [
+        ("outcome", 0, "0", "toolcall"), ("outcome", 1, "1", "toolcall")]
+    assert all(0.0 <= r["satisfied"] <= 1.0 and sum(r["first_move"].values()) == 1.0
+               for r in rows)
+    url = (out / "outcome" / "database.txt").read_text().strip()
+    try:
+        with psycopg.connect(url.replace("+psycopg", "")) as conn:
+            sessions, with_outcome, probe_outcomes, trained, final_turns = conn.execute(
+                "SELECT (SELECT count(*) FROM sessions WHERE external_id LIKE 'train-%'),"
+                " (SELECT count(*) FROM sessions WHERE external_id LIKE 'train-%'"
+                "    AND outcome IS NOT NULL),"
+                " (SELECT count(*) FROM sessions WHERE external_id LIKE 'probe-%'"
+                "    AND outcome IS NOT NULL),"
+                " (SELECT count(*) FROM samples WHERE trained_step IS NOT NULL"
+                "    AND outcome IS NOT NULL),"
+                " (SELECT count(*) FROM samples s JOIN turns t ON t.id = s.turn_id"
+                "    WHERE t.next_state IS NULL AND s.trained_step IS NOT NULL)").fetchone()
+        assert sessions >= 16 and with_outcome == sessions
+        assert probe_outcomes == 0
+        # Every trained sample saw its episode's outcome, the final answers' turns included.
+        assert trained >= 16 and final_turns > 0
+    finally:
+        server, name = url.rsplit("/", 1)
+        drop_database(f"{server}/postgres", name)

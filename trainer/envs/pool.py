@@ -42,6 +42,8 @@ class PoolConfig:
     session_prefix: str = "env"
     timeout_s: float = 300.0  # per request (the SDK retries twice)
     options: dict[str, Any] = field(default_factory=dict)  # passed to the environment
+    headers: dict[str, str] = field(default_factory=dict)  # sent with every request
+    post_outcome: bool = True  # False: measure only (e.g. side-turn probes), report nothing
 
 
 @dataclass
@@ -55,6 +57,7 @@ class EpisodeResult:
     seconds: float
     error: str | None = None
     request_ms: list[float] = field(default_factory=list)  # each chat request, as the SDK saw it
+    details: dict[str, Any] = field(default_factory=dict)  # the environment's `details()`
 
 
 @dataclass
@@ -114,7 +117,7 @@ async def run_episode(client: Any, cfg: PoolConfig, index: int, run_id: str) -> 
         extra: dict[str, Any] = {"tools": obs.tools} if obs.tools else {}
         while steps < cfg.max_steps:
             steps += 1
-            headers = {"X-Session-Id": session}
+            headers = {**cfg.headers, "X-Session-Id": session}
             if steps == cfg.max_steps:
                 headers["X-Session-Done"] = "1"
                 done_sent = True
@@ -130,10 +133,12 @@ async def run_episode(client: Any, cfg: PoolConfig, index: int, run_id: str) -> 
             if step.done:
                 break
         outcome = await env.outcome()
-        await client.post(f"/sessions/{quote(session, safe='')}/outcome",
-                          body={"outcome": outcome}, cast_to=object)
+        if cfg.post_outcome:
+            await client.post(f"/sessions/{quote(session, safe='')}/outcome",
+                              body={"outcome": outcome}, cast_to=object)
+        details = env.details() if hasattr(env, "details") else {}
         return EpisodeResult(index, session, task, steps, outcome, done_sent,
-                             time.perf_counter() - start, None, request_ms)
+                             time.perf_counter() - start, None, request_ms, details)
     except (openai.APIError, OSError, RuntimeError) as exc:
         error = (f"HTTP {exc.status_code}" if isinstance(exc, openai.APIStatusError)
                  else type(exc).__name__)

@@ -45,6 +45,9 @@ class Env(Protocol):
 
     async def close(self) -> None: ...
 
+    # Optional: `details() -> dict` after the episode, what the environment saw (the pool
+    # keeps it in `EpisodeResult.details`; the tool-call track: the first move, the answer).
+
 
 class EnvError(ValueError):
     """A bad environment name or argument: one readable line on the CLI."""

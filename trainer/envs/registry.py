@@ -15,8 +15,16 @@ def _terminal(seed: int, **options: Any) -> Env:
     return TerminalEnv(seed, **options)
 
 
+def _toolcall(seed: int, **options: Any) -> Env:
+    from trainer.envs.toolcall import ToolcallEnv
+
+    return ToolcallEnv(seed, **options)
+
+
 ENVS: dict[str, tuple[Callable[..., Env], str]] = {
     "terminal": (_terminal, "a sandboxed shell with small verifiable tasks (run(command))"),
+    "toolcall": (_toolcall, "questions about the tiny world, answered with lookup(person, "
+                 "attribute) then answer(text)"),
 }
 
 

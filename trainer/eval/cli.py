@@ -53,6 +53,8 @@ from trainer.eval.config import (
     PERSONAL_PREFS,
     SMALL_BATCH,
     SMALL_ROUNDS,
+    TOOLCALL_METHODS,
+    TRACKS,
     EvalConfig,
 )
 from trainer.eval.report import plot_curve, print_table, print_targets, targets
@@ -75,6 +77,12 @@ def parse_args(argv: list[str]) -> EvalConfig:
                    help="hidden preferences, one simulated user each "
                         f"({', '.join(PREFERENCES)}; default lowercase,brief; --personal: "
                         f"{','.join(PERSONAL_PREFS)})")
+    p.add_argument("--track", choices=TRACKS, default="chat",
+                   help="chat: simulated people (the default); toolcall: an agent answering "
+                        "tiny-world questions with lookup/answer tools through the proxy, "
+                        "judged step by step and verified at the end (the tool-call model, "
+                        "<state_dir>/models/tinyworld-tools; --methods "
+                        f"{','.join(TOOLCALL_METHODS)})")
     p.add_argument("--personal", action="store_true",
                    help="users with conflicting preferences: the shared model (combine) "
                         "against one LoRA adapter per user (personal) and no training")
@@ -117,8 +125,15 @@ def parse_args(argv: list[str]) -> EvalConfig:
                    "and CLAWRL_DATABASE__URL) instead of starting one per method")
     p.add_argument("--engine-url", help="the running stack's engine (to read weight versions)")
     args = p.parse_args(argv)
+    toolcall = args.track == "toolcall"
+    if toolcall and (args.small or args.personal or args.prefs or args.followups):
+        raise SystemExit("clawrl eval: --track toolcall takes none of --small, --personal, "
+                         "--prefs, --followups")
+    if toolcall and args.proxy_url:
+        raise SystemExit("clawrl eval: --track toolcall starts its own stacks (no --proxy-url)")
     if args.methods is None:
-        args.methods = ("combine,none" if args.small else
+        args.methods = (",".join(TOOLCALL_METHODS) if toolcall else
+                        "combine,none" if args.small else
                         f"combine,{PERSONAL},none" if args.personal else ",".join(METHODS))
     if args.prefs is None:  # (the judge issue's user only ever asks for lowercase)
         args.prefs = ("lowercase" if args.small or args.followups == "issue" else
@@ -133,8 +148,8 @@ def parse_args(argv: list[str]) -> EvalConfig:
         args.batch_size = SMALL_BATCH if args.small else EvalConfig.batch_size
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
     prefs = tuple(x.strip() for x in args.prefs.split(",") if x.strip())
-    bad = [m for m in methods if m not in ALL_METHODS] + [x for x in prefs
-                                                         if x not in PREFERENCES]
+    known = TOOLCALL_METHODS if toolcall else ALL_METHODS
+    bad = [m for m in methods if m not in known] + [x for x in prefs if x not in PREFERENCES]
     if bad or not methods or not prefs:
         raise SystemExit(f"clawrl eval: unknown or missing method/preference: {bad or 'none'}")
     says = phrasings(args.followups)
@@ -160,7 +175,8 @@ def parse_args(argv: list[str]) -> EvalConfig:
         raise SystemExit("clawrl eval: --rounds, --sessions, --parallel, --probes, "
                          "--users-per-pref and --batch-size must be >= 1")
     state = load_settings().state_dir
-    model = args.model or state / "models" / ("tinyworld-ci" if args.small else "tinyworld")
+    model = args.model or state / "models" / ("tinyworld-tools" if toolcall else
+                                              "tinyworld-ci" if args.small else "tinyworld")
     out = args.out or Path("runs") / time.strftime("eval-%Y%m%d-%H%M%S")
     return EvalConfig(model=model, out=out, methods=methods, prefs=prefs,
                       users_per_pref=args.users_per_pref, rounds=args.rounds,
@@ -172,7 +188,7 @@ def parse_args(argv: list[str]) -> EvalConfig:
                       keep_db=args.keep_db, followups=args.followups,
                       engine_url=args.engine_url, judge_engine=args.judge_engine,
                       judge_state_dir=state,
-                      extra_env={"SMALL": "1"} if args.small else {})
+                      extra_env={"SMALL": "1"} if args.small else {}, track=args.track)
 
 
 def main(argv: list[str]) -> int:
@@ -187,7 +203,8 @@ def main(argv: list[str]) -> int:
         return int(exc.code or 0)
     config.out.mkdir(parents=True, exist_ok=True)
     try:
-        ensure_model(config.model, small=bool(config.extra_env.pop("SMALL", "")))
+        ensure_model(config.model, small=bool(config.extra_env.pop("SMALL", "")),
+                     tools=config.track == "toolcall")
     except (OSError, RuntimeError) as exc:
         print(f"clawrl eval: cannot build the model at {config.model}: {exc}", file=sys.stderr)
         return 1

@@ -15,6 +15,11 @@ METHODS = ("combine", "rl", "opd", "none")
 PERSONAL = "personal"
 ALL_METHODS = (*METHODS, PERSONAL)
 PERSONAL_PREFS = ("lowercase", "uppercase")
+# `--track toolcall` (trainer/eval/agents.py): an agent's episodes instead of people; the
+# methods say where the reward comes from (all train with `rl`): name -> outcome weight.
+TRACKS = ("chat", "toolcall")
+TRACK_METHODS = {"outcome+process": 0.5, "outcome": 1.0, "process": 0.0}
+TOOLCALL_METHODS = (*TRACK_METHODS, "none")
 SMALL_ROUNDS = 4  # `--small`: a CI-sized run
 SMALL_BATCH = 32  # `--small` has one user: half the chat per version
 PARTIAL_AFTER_S = 45
@@ -74,11 +79,14 @@ class EvalConfig:
     # (None: the run's own `out`).
     judge_state_dir: Path | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
+    # `chat`: simulated people; `toolcall`: an agent on the tool-call track.
+    track: str = "chat"
 
 
 def trainer_method(method: str) -> str:
-    """The trainer's `--method` for an eval method (`personal` trains with `combine`)."""
-    return "combine" if method == PERSONAL else method
+    """The trainer's `--method` for an eval method (`personal` trains with `combine`, the
+    agent track's methods with `rl`)."""
+    return "combine" if method == PERSONAL else "rl" if method in TRACK_METHODS else method
 
 
 def stack_env(config: EvalConfig, method: str) -> dict[str, str]:
@@ -98,6 +106,12 @@ def stack_env(config: EvalConfig, method: str) -> dict[str, str]:
            # about the time `max_chats` waves of chat take.
            "CLAWRL_TRAINER__MAX_WAIT_S": str(PARTIAL_AFTER_S), "CLAWRL_TRAINER__POLL_S": "0.5",
            "CLAWRL_TRAINER__SEED": str(config.seed)}
+    if method in TRACK_METHODS:
+        env["CLAWRL_TRAINER__OUTCOME_WEIGHT"] = str(TRACK_METHODS[method])
+        # A step's sample is written when the next request arrives; its episode's outcome
+        # follows at the episode's end: hold samples until then.
+        env["CLAWRL_TRAINER__OUTCOME_WAIT_S"] = "120"
+        env["CLAWRL_JUDGE__CONCURRENCY"] = str(config.parallel * 2)
     if method == PERSONAL:
         env["CLAWRL_TRAINER__PERSONAL"] = "true"
         env["CLAWRL_TRAINER__ADAPTER_LR"] = str(config.adapter_lr)

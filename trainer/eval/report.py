@@ -121,12 +121,15 @@ def plot_curve(rows: list[dict[str, Any]], path: Path) -> None:
 
     prefs = sorted({r["pref"] for r in rows})
     seeds = sorted({r.get("seed", 0) for r in rows})
-    panels = [(f"preference: {p}", "held-out replies satisfying it", "satisfied", p)
+    panels = [("tool-call track: held-out episodes solved", "success rate", "satisfied", p)
+              if p == "toolcall" else
+              (f"preference: {p}", "held-out replies satisfying it", "satisfied", p)
               for p in prefs] + [("answer accuracy (all users)", "held-out answers correct",
                                   "correct", None)]
+    methods = list(dict.fromkeys(r["method"] for r in rows))  # in the order they ran
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
     for ax, (title, ylabel, key, pref) in zip(axes[0], panels, strict=True):
-        for method in (*ALL_METHODS, CONNECTED):
+        for method in methods:
             # per round: the value of each seed (mean over that seed's matching users)
             pts: dict[int, list[float]] = {}
             for seed in seeds:

@@ -70,8 +70,8 @@ async def run_rounds(config: EvalConfig, method: str, proxy_url: str, db_url: st
             if method == PERSONAL:  # each user's own adapter version
                 served = await _adapter_versions(db)
             else:
-                version = await _serving_version(engine_url)
-                served = {u.name: (version, await _version_stats(db, version)) for u in users}
+                version = await serving_version(engine_url)
+                served = {u.name: (version, await version_stats(db, version)) for u in users}
             results = await asyncio.gather(*(u.probe(world, probe_prompts) for u in users))
             on_round(method, rnd, [
                 {"method": method, "seed": config.seed, "round": rnd,
@@ -96,7 +96,7 @@ async def chat_wave(config: EvalConfig, world: World, users: list[Any], rnd: int
         for user in users for k in range(config.parallel)))
 
 
-async def _version_stats(db: Any, version: str) -> dict[str, Any]:
+async def version_stats(db: Any, version: str) -> dict[str, Any]:
     """What the trainer recorded for the served version (empty for the base model)."""
     from sqlalchemy import text
 
@@ -147,7 +147,7 @@ async def _engine_version(engine: Any) -> Any:
         raise StackError(f"the engine's /model_info {what}{hint}") from exc
 
 
-async def _serving_version(engine_url: str) -> str:
+async def serving_version(engine_url: str) -> str:
     async with _engine(engine_url) as engine:
         version = await _engine_version(engine)
     # The base model serves under the engine's initial label ("default"): call it version 0.
@@ -172,7 +172,9 @@ def run_connected(config: EvalConfig, on_round: Any) -> None:
 
 # Samples the trainer will use under each method (the others it skips when it meets them).
 USABLE = {"rl": "reward IS NOT NULL", "opd": "teacher_logprobs IS NOT NULL",
-          "combine": "(reward IS NOT NULL OR teacher_logprobs IS NOT NULL)"}
+          "combine": "(reward IS NOT NULL OR teacher_logprobs IS NOT NULL)",
+          # the agent track (trainer/eval/agents.py): every episode's session has an outcome
+          "outcome+process": "true", "outcome": "true", "process": "reward IS NOT NULL"}
 
 
 async def loop_state(db: Any, method: str) -> tuple[int, int, int]:

@@ -18,6 +18,7 @@ from typing import Any
 
 from proxy.bench_procs import free_port
 from proxy.stack import HOST, Stack, StackError, judge_engine_env, wait_healthy
+from trainer.eval.agents import run_agent_rounds
 from trainer.eval.config import EvalConfig, stack_env, trainer_method
 from trainer.eval.rounds import run_rounds
 
@@ -25,15 +26,16 @@ __all__ = ["StackError", "drop_database", "ensure_model", "fresh_database", "run
 
 
 
-def ensure_model(model: Path, small: bool = False) -> Path:
+def ensure_model(model: Path, small: bool = False, tools: bool = False) -> Path:
     """The model dir to serve: any Hugging Face model dir as it is, else the tiny world
-    model built (and cached) there (`small`: the CI-sized build)."""
-    from trainer.world.pretrain import CI, FULL, build
+    model built (and cached) there (`small`: the CI-sized build; `tools`: the tool-call
+    model)."""
+    from trainer.world.pretrain import CI, FULL, build, build_tools
 
     if (model / "config.json").is_file():
         return model
     model.parent.mkdir(parents=True, exist_ok=True)
-    return build(model, CI if small else FULL)
+    return build_tools(model) if tools else build(model, CI if small else FULL)
 
 
 def fresh_database(server_url: str, name: str) -> str:
@@ -102,8 +104,9 @@ def run_method(config: EvalConfig, method: str,
             stack.start("train", ["train", "--model", str(config.model.resolve()),
                                   "--engine-url", engine_url, "--method", trainer_method(method),
                                   "--weights-dir", str(state / "weights")])
-        asyncio.run(_guarded(stack, run_rounds(config, method, proxy_url, db_url,
-                                               engine_url, on_round)))
+        rounds = run_agent_rounds if config.track == "toolcall" else run_rounds
+        asyncio.run(_guarded(stack, rounds(config, method, proxy_url, db_url, engine_url,
+                                           on_round)))
     finally:
         stack.stop()
         if config.keep_db:

@@ -46,7 +46,7 @@ SIZES: dict[str, dict[str, int]] = {
 # call arguments may be a JSON string (OpenAI wire format) or an object, and list-of-parts
 # content is joined. Tool results (role "tool") are grouped into one user turn of
 # <tool_response> blocks, as Qwen2.5 does.
-CHAT_TEMPLATE = (
+_CONTENT_MACRO = (
     "{%- macro render_content(content) -%}"
     "{%- if content is string -%}{{- content -}}"
     "{%- elif content is none -%}"
@@ -54,6 +54,9 @@ CHAT_TEMPLATE = (
     "{%- if part is string -%}{{- part -}}{%- elif part.text is defined -%}{{- part.text -}}{%- endif -%}"
     "{%- endfor -%}{%- endif -%}"
     "{%- endmacro -%}"
+)
+# The system turn when the request has tools: the JSON signatures, as Qwen2.5 renders them.
+QWEN_TOOLS_HEADER = (
     "{%- if tools %}"
     "{{- '<|im_start|>system\\n' }}"
     "{%- if messages[0].role == 'system' %}{{- render_content(messages[0].content) + '\\n\\n' }}{%- endif %}"
@@ -66,6 +69,8 @@ CHAT_TEMPLATE = (
     "{%- elif messages[0].role == 'system' %}"
     "{{- '<|im_start|>system\\n' + render_content(messages[0].content) + '<|im_end|>\\n' }}"
     "{%- endif %}"
+)
+_MESSAGES = (
     "{%- for message in messages %}"
     "{%- if message.role == 'system' and loop.first %}"
     "{%- elif message.role == 'assistant' and message.tool_calls %}"
@@ -89,6 +94,16 @@ CHAT_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
+
+
+def chat_template(tools_header: str = QWEN_TOOLS_HEADER) -> str:
+    """The ChatML template with `tools_header` deciding how a request's tools (and its system
+    message) open the prompt: `{%- if tools %}…{%- elif messages[0].role == 'system' %}…
+    {%- endif %}`. The tool-call track's model renders them shorter (trainer/world/tools.py)."""
+    return _CONTENT_MACRO + tools_header + _MESSAGES
+
+
+CHAT_TEMPLATE = chat_template()
 
 # Built-in text for `init`: enough variety that common words, digits, JSON and the chat
 # markup get merges. The pretraining corpus (trainer/world/pretrain.py) trains its own.
@@ -160,7 +175,7 @@ def model_config(size: str, vocab_size: int) -> Any:
     )
 
 
-def _tokenizer_config() -> dict[str, Any]:
+def _tokenizer_config(template: str = CHAT_TEMPLATE) -> dict[str, Any]:
     added = {
         str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
                  "single_word": False, "special": True}
@@ -181,19 +196,21 @@ def _tokenizer_config() -> dict[str, Any]:
         "errors": "replace",
         "model_max_length": 2048,
         "split_special_tokens": False,
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": template,
     }
 
 
-def save_tokenizer(directory: Path, tokenizer: Tokenizer) -> None:
+def save_tokenizer(directory: Path, tokenizer: Tokenizer, template: str = CHAT_TEMPLATE) -> None:
     """Write tokenizer.json, tokenizer_config.json and chat_template.jinja into `directory`."""
     directory.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps(_tokenizer_config(), indent=2))
-    (directory / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps(_tokenizer_config(template), indent=2))
+    (directory / "chat_template.jinja").write_text(template)
 
 
-def save_model_dir(directory: str | Path, model: Any, tokenizer: Tokenizer) -> Path:
+def save_model_dir(directory: str | Path, model: Any, tokenizer: Tokenizer,
+                   template: str = CHAT_TEMPLATE) -> Path:
     """Save `model` (a transformers causal LM) and `tokenizer` as an HF model directory.
 
     Writes safetensors weights, config.json, generation_config.json (eos `<|im_end|>`) and
@@ -210,7 +227,7 @@ def save_model_dir(directory: str | Path, model: Any, tokenizer: Tokenizer) -> P
         bos_token_id=None, do_sample=True, temperature=1.0, top_p=1.0,
     )
     model.save_pretrained(str(out), safe_serialization=True)
-    save_tokenizer(out, tokenizer)
+    save_tokenizer(out, tokenizer, template)
     return out
 
 

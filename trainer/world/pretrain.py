@@ -20,6 +20,7 @@ import argparse
 import hashlib
 import json
 import math
+import random
 import shutil
 import sys
 import time
@@ -61,13 +62,39 @@ SMALL = BuildConfig(size="test", hidden_size=0, tokenizer_examples=1500, steps=1
                     eval_cases=12)
 
 
+@dataclass(frozen=True)
+class ToolsConfig:
+    """The tool-call model (`clawrl tinyworld build DIR --tools`): the full build trained
+    further on its own corpus mixed with tool-call episodes (trainer/world/tools.py), saved
+    with the compact tools chat template. Longer rows: an episode is 250-450 tokens."""
+
+    seed: int = 0
+    tool_share: float = 0.5  # share of examples that are tool-call episodes
+    seq_len: int = 512
+    batch_size: int = 16
+    steps: int = 600
+    lr: float = 1e-3
+    warmup: int = 20
+    eval_episodes: int = 64
+
+
+TOOLS_BUILD = ToolsConfig()
+# Bump when the tool episodes, the tools or their template change meaning.
+TOOLS_VERSION = 1
+
+
 # Bump when the corpus or training changes meaning: a cached build with another version is
 # rebuilt. (Not a hash of the code, so unrelated edits do not throw away a 10-minute build.)
 CORPUS_VERSION = 3
 
 
-def build_key(config: BuildConfig) -> str:
-    """Hash of the config, the corpus version and the judge templates the corpus renders."""
+def build_key(config: BuildConfig | ToolsConfig) -> str:
+    """Hash of the config, the corpus version and the judge templates the corpus renders
+    (a tools build: its config, `TOOLS_VERSION` and the key of the full build it starts
+    from)."""
+    if isinstance(config, ToolsConfig):
+        return hashlib.sha256(json.dumps([asdict(config), TOOLS_VERSION, build_key(FULL)],
+                                         sort_keys=True).encode()).hexdigest()[:16]
     h = hashlib.sha256(json.dumps([asdict(config), CORPUS_VERSION], sort_keys=True).encode())
     for path in sorted(TEMPLATE_DIR.glob("*_v1.txt")):
         h.update(path.read_bytes())
@@ -79,14 +106,14 @@ def build_key(config: BuildConfig) -> str:
 PREBUILT_DIR = Path(__file__).resolve().parent / "prebuilt"
 
 
-def prebuilt(config: BuildConfig) -> Path | None:
+def prebuilt(config: BuildConfig | ToolsConfig) -> Path | None:
     """The shipped build of exactly `config` (same key), if there is one."""
     if not PREBUILT_DIR.is_dir():
         return None
     return next((d for d in sorted(PREBUILT_DIR.iterdir()) if is_built(d, config)), None)
 
 
-def is_built(directory: Path, config: BuildConfig) -> bool:
+def is_built(directory: Path, config: BuildConfig | ToolsConfig) -> bool:
     marker = directory / MARKER
     if not marker.is_file():
         return False
@@ -101,27 +128,37 @@ def is_built(directory: Path, config: BuildConfig) -> bool:
 
 def encode(tokenizer: Any, messages: list[Message]) -> tuple[list[int], list[int]]:
     """Token ids of the chat-templated messages and a 0/1 loss mask (assistant tokens)."""
-    text, spans = render_chatml(messages)
+    return encode_rendered(tokenizer, *render_chatml(messages))
+
+
+def encode_rendered(tokenizer: Any, text: str,
+                    spans: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
+    """Token ids of `text` and a 0/1 loss mask: 1 on tokens starting inside a span."""
     enc = tokenizer.encode(text)
     mask = [int(any(a <= start < b for a, b in spans)) for start, _ in enc.offsets]
     return list(enc.ids), mask
 
 
-def iter_batches(world: World, tokenizer: Any, config: BuildConfig,
-                 stats: dict[str, int]) -> Iterator[tuple[list[list[int]], list[list[int]]]]:
+def iter_batches(world: World, tokenizer: Any, config: BuildConfig | ToolsConfig,
+                 stats: dict[str, int],
+                 rendered: Iterator[tuple[str, list[tuple[int, int]]]] | None = None,
+                 ) -> Iterator[tuple[list[list[int]], list[list[int]]]]:
     """Rows of whole examples packed first-fit into `seq_len` tokens, `batch_size` rows each.
 
     Examples share a row without an attention barrier (each starts with `<|im_start|>`, and
     the model learns to read from the latest one); an example longer than a row is dropped.
+    `rendered`: (text, loss spans) examples to pack instead of the corpus's.
     """
-    examples = iter_examples(world, config.seed)
+    if rendered is None:
+        rendered = (render_chatml(m) for _, m in iter_examples(world, config.seed))
     carry: list[tuple[list[int], list[int]]] = []
     while True:
         ids: list[list[int]] = [[] for _ in range(config.batch_size)]
         masks: list[list[int]] = [[] for _ in range(config.batch_size)]
         misses = 0
         while misses < 8:
-            ex_ids, ex_mask = carry.pop() if carry else encode(tokenizer, next(examples)[1])
+            ex_ids, ex_mask = carry.pop() if carry else encode_rendered(tokenizer,
+                                                                         *next(rendered))
             if len(ex_ids) > config.seq_len:
                 stats["dropped"] = stats.get("dropped", 0) + 1
                 continue
@@ -165,7 +202,7 @@ def train_world_tokenizer(world: World, config: BuildConfig) -> Any:
     return train_tokenizer(texts, config.vocab_size)
 
 
-def lr_at(step: int, config: BuildConfig, time_progress: float = 0.0) -> float:
+def lr_at(step: int, config: BuildConfig | ToolsConfig, time_progress: float = 0.0) -> float:
     """Linear warmup, then cosine decay to 10% of the peak.
 
     Progress is the larger of step progress and time progress (elapsed / time cap), so a
@@ -177,12 +214,12 @@ def lr_at(step: int, config: BuildConfig, time_progress: float = 0.0) -> float:
     return config.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
-def train_model(world: World, tokenizer: Any, config: BuildConfig, max_seconds: float | None,
-                log: Callable[[str], None]) -> tuple[Any, dict[str, Any]]:
+def new_model(config: BuildConfig, tokenizer: Any) -> Any:
+    """A randomly initialised model of `config`'s size (seeded)."""
     import torch
     from transformers import Qwen2ForCausalLM
 
-    from trainer.world.model import ENDOFTEXT, model_config
+    from trainer.world.model import model_config
 
     torch.manual_seed(config.seed)
     model_cfg = model_config(config.size, tokenizer.get_vocab_size())
@@ -190,7 +227,22 @@ def train_model(world: World, tokenizer: Any, config: BuildConfig, max_seconds: 
         model_cfg.hidden_size = config.hidden_size
         model_cfg.intermediate_size = 4 * config.hidden_size
         model_cfg.head_dim = config.hidden_size // model_cfg.num_attention_heads
-    model = Qwen2ForCausalLM(model_cfg)
+    return Qwen2ForCausalLM(model_cfg)
+
+
+def train_model(world: World, tokenizer: Any, config: BuildConfig | ToolsConfig,
+                max_seconds: float | None, log: Callable[[str], None], model: Any = None,
+                rendered: Iterator[tuple[str, list[tuple[int, int]]]] | None = None,
+                ) -> tuple[Any, dict[str, Any]]:
+    """Train `model` (default: a new one of `config`'s size) on the corpus (or `rendered`)."""
+    import torch
+
+    from trainer.world.model import ENDOFTEXT
+
+    if model is None:
+        assert isinstance(config, BuildConfig)
+        model = new_model(config, tokenizer)
+    torch.manual_seed(config.seed)
     params = sum(p.numel() for p in model.parameters())
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -199,8 +251,8 @@ def train_model(world: World, tokenizer: Any, config: BuildConfig, max_seconds: 
                             lr=config.lr, betas=(0.9, 0.95))
     pad_id = tokenizer.token_to_id(ENDOFTEXT)
     stats: dict[str, int] = {}
-    batches = iter_batches(world, tokenizer, config, stats)
-    log(f"model: {params / 1e6:.2f}M parameters ({config.size}), {config.steps} steps of "
+    batches = iter_batches(world, tokenizer, config, stats, rendered)
+    log(f"model: {params / 1e6:.2f}M parameters, {config.steps} steps of "
         f"{config.batch_size}x{config.seq_len} tokens")
     model.train()
     start = time.monotonic()
@@ -250,15 +302,7 @@ def build(directory: Path, config: BuildConfig, max_seconds: float | None = None
     if is_built(directory, config):
         log(f"{directory}: already built (key {build_key(config)}), skipping")
         return directory
-    shipped = prebuilt(config) if use_prebuilt and max_seconds is None else None
-    if shipped is not None:
-        # The same build, shipped in the package: copied, not retrained (seconds, not minutes).
-        tmp = directory.with_name(directory.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.copytree(shipped, tmp)
-        shutil.rmtree(directory, ignore_errors=True)
-        tmp.rename(directory)
-        log(f"{directory}: copied the shipped build {shipped.name} (key {build_key(config)})")
+    if use_prebuilt and max_seconds is None and copy_shipped(directory, config, log):
         return directory
     # One thread by default: on a shared, oversubscribed CPU a second OpenMP thread spends
     # its share spinning at barriers (measured: 1 thread ~1.7x faster at load 10 on 2 cores).
@@ -283,6 +327,79 @@ def build(directory: Path, config: BuildConfig, max_seconds: float | None = None
     return directory
 
 
+def copy_shipped(directory: Path, config: BuildConfig | ToolsConfig,
+                 log: Callable[[str], None]) -> bool:
+    """Copy the package's build of exactly `config` into `directory`, if it ships one."""
+    shipped = prebuilt(config)
+    if shipped is None:
+        return False
+    # The same build, shipped in the package: copied, not retrained (seconds, not minutes).
+    tmp = directory.with_name(directory.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(shipped, tmp)
+    shutil.rmtree(directory, ignore_errors=True)
+    tmp.rename(directory)
+    log(f"{directory}: copied the shipped build {shipped.name} (key {build_key(config)})")
+    return True
+
+
+def tool_mix(world: World, config: ToolsConfig) -> Iterator[tuple[str, list[tuple[int, int]]]]:
+    """The tools build's examples, rendered: tool episodes (`tool_share`) among the corpus's."""
+    from trainer.world.tools import render_tool_chat, tool_episode
+
+    rng = random.Random(f"tools-{config.seed}")
+    corpus = iter_examples(world, config.seed + 20_000)
+    while True:
+        if rng.random() < config.tool_share:
+            yield render_tool_chat(tool_episode(world, rng))
+        else:
+            yield render_chatml(next(corpus)[1])
+
+
+def build_tools(directory: Path, config: ToolsConfig = TOOLS_BUILD,
+                max_seconds: float | None = None, log: Callable[[str], None] = print,
+                threads: int = 1, use_prebuilt: bool = True) -> Path:
+    """Build the tool-call model into `directory`: the full build (shipped, or built beside
+    it), trained further on `tool_mix`; cached and shipped like the others."""
+    import torch
+    from tokenizers import Tokenizer
+    from transformers import Qwen2ForCausalLM
+
+    from trainer.world.model import save_model_dir
+    from trainer.world.report import evaluate_tools
+    from trainer.world.tools import TOOLS_CHAT_TEMPLATE
+
+    if is_built(directory, config):
+        log(f"{directory}: already built (key {build_key(config)}), skipping")
+        return directory
+    if use_prebuilt and max_seconds is None and copy_shipped(directory, config, log):
+        return directory
+    base = prebuilt(FULL) or build(directory.with_name(directory.name + ".base"), FULL, log=log,
+                                   threads=threads)
+    torch.set_num_threads(threads)
+    world = World.build(FULL.seed)
+    tokenizer = Tokenizer.from_file(str(base / "tokenizer.json"))
+    model = Qwen2ForCausalLM.from_pretrained(str(base))
+    log(f"tools: training {base} further on tool episodes ({config.tool_share:.0%})")
+    model, info = train_model(world, tokenizer, config, max_seconds, log, model=model,
+                              rendered=tool_mix(world, config))
+    tmp = directory.with_name(directory.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_model_dir(tmp, model, tokenizer, template=TOOLS_CHAT_TEMPLATE)
+    log("evaluating its tool use ...")
+    report = {"config": asdict(config), "base_key": build_key(FULL), "training": info,
+              "tools": evaluate_tools(model, tokenizer, world, config.eval_episodes,
+                                      config.seed)}
+    (tmp / REPORT).write_text(json.dumps(report, indent=2))
+    (tmp / MARKER).write_text(json.dumps({"key": build_key(config), "config": asdict(FULL),
+                                          "tools": asdict(config)}))
+    shutil.rmtree(directory, ignore_errors=True)
+    tmp.rename(directory)
+    log(json.dumps(report["tools"], indent=1))
+    log(f"built {directory}")
+    return directory
+
+
 def build_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="clawrl tinyworld build",
                                      description="pretrain the tiny world model (cached)")
@@ -291,6 +408,9 @@ def build_main(argv: list[str]) -> int:
     size.add_argument("--small", action="store_true", help="the test-sized model (seconds)")
     size.add_argument("--ci", action="store_true",
                       help="the CI-sized model (~5 min; what `clawrl eval --small` uses)")
+    size.add_argument("--tools", action="store_true",
+                      help="the tool-call model: the full build trained further on tool "
+                           "episodes (~6 min; `clawrl eval --track toolcall`)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--minutes", type=float, default=None,
                         help="cap on training time (default: run all steps)")
@@ -300,7 +420,9 @@ def build_main(argv: list[str]) -> int:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (2 is faster on an idle 2-core machine)")
     args = parser.parse_args(argv)
-    config = replace(SMALL if args.small else CI if args.ci else FULL, seed=args.seed)
+    config: BuildConfig | ToolsConfig = (
+        replace(TOOLS_BUILD, seed=args.seed) if args.tools else
+        replace(SMALL if args.small else CI if args.ci else FULL, seed=args.seed))
     if args.steps is not None:
         if args.steps < 1:
             print("clawrl tinyworld build: --steps must be >= 1", file=sys.stderr)
@@ -308,9 +430,14 @@ def build_main(argv: list[str]) -> int:
         config = replace(config, steps=args.steps)
     if args.force:
         (args.dir / MARKER).unlink(missing_ok=True)
+    seconds = None if args.minutes is None else args.minutes * 60
     try:
-        build(args.dir, config, None if args.minutes is None else args.minutes * 60,
-              threads=max(1, args.threads), use_prebuilt=not args.force)
+        if isinstance(config, ToolsConfig):
+            build_tools(args.dir, config, seconds, threads=max(1, args.threads),
+                        use_prebuilt=not args.force)
+        else:
+            build(args.dir, config, seconds, threads=max(1, args.threads),
+                  use_prebuilt=not args.force)
     except OSError as exc:
         print(f"clawrl tinyworld build: cannot write {args.dir}: {exc}", file=sys.stderr)
         return 1

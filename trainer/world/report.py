@@ -13,6 +13,7 @@ corpus) and reports:
 
 from __future__ import annotations
 
+import json
 import random
 import re
 from typing import Any
@@ -60,8 +61,10 @@ def parse_hint(text: str) -> str | None:
 
 
 def generate(model: Any, tokenizer: Any, prompts: list[list[Message]], temperature: float,
-             max_new_tokens: int = 64, batch_size: int = 32) -> list[str]:
-    """Replies to chat prompts (left-padded batches; stops at `<|im_end|>`)."""
+             max_new_tokens: int = 64, batch_size: int = 32,
+             render: Any = None) -> list[str]:
+    """Replies to chat prompts (left-padded batches; stops at `<|im_end|>`). `render`: the
+    prompt text of a conversation up to the assistant's turn (default: plain ChatML)."""
     import torch
     from transformers import GenerationConfig
 
@@ -74,7 +77,8 @@ def generate(model: Any, tokenizer: Any, prompts: list[list[Message]], temperatu
                               pad_token_id=pad, **sampling)
     out: list[str] = []
     for i in range(0, len(prompts), batch_size):
-        chunk = [tokenizer.encode(render_chatml(p)[0] + "<|im_start|>assistant\n").ids
+        chunk = [tokenizer.encode(render(p) if render else
+                                  render_chatml(p)[0] + "<|im_start|>assistant\n").ids
                  for p in prompts[i:i + batch_size]]
         width = max(len(ids) for ids in chunk)
         input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in chunk])
@@ -170,6 +174,58 @@ def evaluate_model(model: Any, tokenizer: Any, world: World, n: int, seed: int) 
                          for c, p, h in list(zip(cases, prm, hints, strict=True))[:4]]
     report["judge"] = judge
     return report
+
+
+_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+
+
+def parse_tool_calls(text: str) -> Message:
+    """The assistant message for generated `text`: its `<tool_call>` JSON blocks as tool
+    calls (what the engine's parser returns), the rest as content."""
+    calls = []
+    for i, block in enumerate(_TOOL_CALL.findall(text)):
+        try:
+            call = json.loads(block)
+        except (json.JSONDecodeError, RecursionError):
+            continue
+        if isinstance(call, dict) and isinstance(call.get("name"), str):
+            calls.append({"id": f"call_{i}", "type": "function", "function": {
+                "name": call["name"], "arguments": call.get("arguments", {})}})
+    content = _TOOL_CALL.sub("", text).strip() if calls else text
+    return {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
+
+
+def evaluate_tools(model: Any, tokenizer: Any, world: World, n: int, seed: int,
+                   max_steps: int = 4) -> dict[str, Any]:
+    """Tool-call episodes on held-out questions, sampled at temperature 1 (as the eval's
+    agents are): success rate, the first move (lookup / answer / text), and the held-out
+    answer accuracy of the plain chat model (did the tools training make it forget?)."""
+    from trainer.world.tools import TOOLS, ToolEpisode, render_template
+
+    episodes = [ToolEpisode(world, world.heldout[(i * 7 + seed) % len(world.heldout)])
+                for i in range(n)]
+    convo = [list(e.messages) for e in episodes]
+    done = [False] * n
+    for _ in range(max_steps):
+        live = [i for i in range(n) if not done[i]]
+        if not live:
+            break
+        texts = generate(model, tokenizer, [convo[i] for i in live], 1.0, max_new_tokens=96,
+                         render=lambda m: render_template(m, TOOLS, add_generation_prompt=True))
+        for i, text in zip(live, texts, strict=True):
+            reply = parse_tool_calls(text)
+            messages, done[i] = episodes[i].step(reply)
+            convo[i] += [reply, *messages]
+    outcomes = [e.outcome() for e in episodes]
+    first = [e.first_move for e in episodes]
+    questions = [world.heldout[i % len(world.heldout)] for i in range(n)]
+    greedy = generate(model, tokenizer, [[{"role": "user", "content": q.text}]
+                                         for q in questions], 0.0)
+    return {"episodes": n, "success": _rate([o > 0 for o in outcomes]),
+            "first_move": {k: _rate([f == k for f in first]) for k in sorted(set(first))},
+            "answers_heldout_greedy": _rate([is_correct(world, q, t)
+                                             for q, t in zip(questions, greedy, strict=True)]),
+            "examples": [convo[i][2:] for i in range(min(3, n))]}
 
 
 def _hint_ok(output: str, case: dict[str, Any]) -> bool:
