@@ -14,18 +14,20 @@ import pytest
 from judge.config import JUDGE_MODEL_SETTINGS
 from judge.parse import parse_hint, parse_score
 from judge.prompts import render_fields, render_hint, render_judge, render_prm
-from trainer.judgemodel.build import BuildConfig
+from trainer.judgemodel.build import AgentStage, BuildConfig
 from trainer.judgemodel.model import PROMPT_VERSION, prompts
 from trainer.judgemodel.synth import (
     MIX,
+    AGENT_LABELS,
     NO_HINT,
     JudgeExample,
+    agent_set,
     iter_examples,
     normalize,
     perturb,
     training_set,
 )
-from trainer.world.town import FACT_HINT, HINTS, PREFERENCES, satisfies
+from trainer.world.town import FACT_HINT, HINTS, PREFERENCES, World, satisfies
 
 REPO = Path(__file__).resolve().parents[2]
 HELD_OUT = [REPO / "trainer" / "judgemodel" / "data" / "heldout.jsonl",
@@ -121,8 +123,28 @@ def test_no_held_out_or_simulated_follow_up_is_trained_on() -> None:
     held |= {normalize(t) for t in ISSUE_TEXTS}
     assert len(held) > 600
     train = training_set(BuildConfig().turns)
-    more = list(itertools.islice(iter_examples(0), 30000))
+    more = list(itertools.islice(iter_examples(0), 30000)) + agent_set(AgentStage().agent_turns)
     seen = {normalize(e.template) for e in train + more}
     seen |= {normalize(e.next_state[0]["content"]) for e in train + more}
     overlap = sorted(seen & held)
     assert not overlap, f"{len(overlap)} held-out/simulated follow-ups in the training set"
+
+
+def test_agent_steps_are_judged_by_what_came_back() -> None:
+    """The agent stage's steps: a tool's result is progress, a tool's error or the user
+    asking for the tools is not; no hints; reproducible from the seed."""
+    steps = agent_set(600)
+    world = World.build(0)
+    assert [(e.kind, e.next_state) for e in steps[:50]] == [
+        (e.kind, e.next_state) for e in agent_set(50)]
+    kinds = Counter(e.kind for e in steps)
+    assert set(kinds) == set(AGENT_LABELS) and min(kinds.values()) > 60
+    for e in steps:
+        assert e.label == AGENT_LABELS[e.kind] and e.hint is None
+        role = e.next_state[0]["role"]
+        assert role == ("user" if e.kind == "nudge" else "tool")
+        if e.kind == "tool_ok":  # the result names the asked fact's value
+            q = world.find(e.request[-1]["content"])
+            assert q is not None and world.answer(q) in e.next_state[0]["content"]
+    prompt, answer = prompts(steps[0])[0]
+    assert answer in ("1 [NO_HINT]", "-1 [NO_HINT]")

@@ -49,7 +49,7 @@ from trainer.judgemodel.model import (
     base_dir,
     prompts,
 )
-from trainer.judgemodel.synth import training_set
+from trainer.judgemodel.synth import agent_set, training_set
 from trainer.world.town import FACT_HINT, HINTS
 
 
@@ -67,6 +67,20 @@ class BuildConfig:
     decisive: float = 30.0  # weight of each token that carries a decision
     threads: int = 1  # 2 threads on 2 busy cores ran 4x slower (OpenMP spinning)
     prompt_version: str = PROMPT_VERSION  # the judge prompts trained on (judge/templates/)
+
+
+@dataclass(frozen=True)
+class AgentStage:
+    """The second stage (`clawrl judge build --agent-stage`): the built adapter trained further
+    on agent steps (trainer/judgemodel/synth.py `agent_set`: tool results, tool errors, the
+    user asking for tools) mixed with a replay of the first stage's own turns, so what it
+    learned about people stays."""
+
+    agent_turns: int = 400
+    replay_turns: int = 600  # drawn from the first stage's training set
+    epochs: int = 2
+    lr: float = 5e-4
+    seed: int = 0
 
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -184,9 +198,12 @@ def cache_lower_layers(model: Any, plan: list[dict[str, torch.Tensor]], split: i
 
 
 def build_adapter(state_dir: Path, cfg: BuildConfig, out: Path = ADAPTER_DIR,
-                  log: Any = print) -> dict[str, Any]:
-    """Train the LoRA adapter and write it to `out`. Returns figures for the report."""
-    from peft import LoraConfig, get_peft_model
+                  log: Any = print, stage: AgentStage | None = None) -> dict[str, Any]:
+    """Train the LoRA adapter and write it to `out`. Returns figures for the report.
+
+    `stage`: instead of a new adapter, train the one in `out` further on `stage`'s agent steps
+    and replayed turns (`cfg` still says how the first stage was built: layers, batch...)."""
+    from peft import LoraConfig, PeftModel, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(cfg.seed)
@@ -197,11 +214,22 @@ def build_adapter(state_dir: Path, cfg: BuildConfig, out: Path = ADAPTER_DIR,
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     n_layers = model.config.num_hidden_layers
     split = n_layers - cfg.layers
-    lora = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=0.0, bias="none",
-                      target_modules=list(TARGETS), task_type="CAUSAL_LM",
-                      layers_to_transform=list(range(split, n_layers)))
-    model = get_peft_model(model, lora)
-    rows = [encode(tokenizer, p, a) for ex in training_set(cfg.turns, cfg.seed)
+    if stage is None:
+        lora = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=0.0, bias="none",
+                          target_modules=list(TARGETS), task_type="CAUSAL_LM",
+                          layers_to_transform=list(range(split, n_layers)))
+        model = get_peft_model(model, lora)
+        examples = training_set(cfg.turns, cfg.seed)
+        epochs, lr = cfg.epochs, cfg.lr
+    else:
+        first = json.loads((out / "build.json").read_text())
+        model = PeftModel.from_pretrained(model, str(out), is_trainable=True)
+        replay = random.Random(f"replay-{stage.seed}").sample(
+            training_set(first["config"]["turns"], first["config"]["seed"]),
+            stage.replay_turns)
+        examples = agent_set(stage.agent_turns, stage.seed) + replay
+        epochs, lr = stage.epochs, stage.lr
+    rows = [encode(tokenizer, p, a) for ex in examples
             for p, a in prompts(ex, cfg.prompt_version)]
     rng = random.Random(cfg.seed)
     plan = [collate(b, tokenizer.pad_token_id, cfg.decisive)
@@ -212,14 +240,14 @@ def build_adapter(state_dir: Path, cfg: BuildConfig, out: Path = ADAPTER_DIR,
     cache_s = time.monotonic() - start
     log(f"lower {split} layers cached for {len(rows)} examples in {cache_s:.0f} s")
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
-    total = cfg.epochs * len(plan)
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    total = epochs * len(plan)
 
     def lr_at(step: int) -> float:  # linear warmup, cosine decay to 10%
         if step < cfg.warmup:
-            return cfg.lr * (step + 1) / cfg.warmup
+            return lr * (step + 1) / cfg.warmup
         frac = (step - cfg.warmup) / max(1, total - cfg.warmup)
-        return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+        return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
 
     inner = decoder(model)
     all_layers = inner.layers
@@ -228,7 +256,7 @@ def build_adapter(state_dir: Path, cfg: BuildConfig, out: Path = ADAPTER_DIR,
     losses: list[float] = []
     step = 0
     try:
-        for _epoch in range(cfg.epochs):
+        for _epoch in range(epochs):
             for b in rng.sample(plan, len(plan)):
                 for group in opt.param_groups:
                     group["lr"] = lr_at(step)
@@ -251,10 +279,13 @@ def build_adapter(state_dir: Path, cfg: BuildConfig, out: Path = ADAPTER_DIR,
     model.peft_config["default"].base_model_name_or_path = BASE_MODEL  # not a local path
     model.save_pretrained(tmp)
     (tmp / "README.md").unlink(missing_ok=True)  # peft's empty model card
-    figures = {"examples": len(rows), "steps": total, "train_s": round(seconds, 1),
-               "cache_s": round(cache_s, 1),
-               "final_loss": round(sum(losses[-20:]) / len(losses[-20:]), 4),
-               "config": asdict(cfg)}
+    figures: dict[str, Any] = {
+        "examples": len(rows), "steps": total, "train_s": round(seconds, 1),
+        "cache_s": round(cache_s, 1),
+        "final_loss": round(sum(losses[-20:]) / len(losses[-20:]), 4), "config": asdict(cfg)}
+    if stage is not None:  # the first stage's figures stay, this one's beside them
+        figures = {**first, "agent_stage": {**{k: figures[k] for k in (
+            "examples", "steps", "train_s", "cache_s", "final_loss")}, "config": asdict(stage)}}
     (tmp / "build.json").write_text(json.dumps(figures, indent=1) + "\n", encoding="utf-8")
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)

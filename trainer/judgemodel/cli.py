@@ -45,6 +45,10 @@ def main(argv: list[str]) -> int:
     b.add_argument("--out", type=Path, default=None, help="adapter directory (default: shipped)")
     b.add_argument("--prompt-version", default=defaults.prompt_version,
                    help="judge prompts to train on (judge/templates/)")
+    b.add_argument("--agent-stage", action="store_true",
+                   help="train the adapter in --out (default: shipped) further on agent "
+                        "steps (tool results, tool errors, requests to use tools) with a "
+                        "replay of its own turns (~10 min)")
     e = sub.add_parser("evaluate", help="held-out agreement, hints and latency, through "
                                          "the embedded engine and the judge's code")
     e.add_argument("--state-dir", default=default_state)
@@ -82,7 +86,10 @@ def main(argv: list[str]) -> int:
                               lr=args.lr, epochs=args.epochs, batch=args.batch,
                               decisive=args.decisive, threads=args.threads,
                               prompt_version=args.prompt_version)
-            figures = build_adapter(state, cfg, out=args.out or ADAPTER_DIR)
+            from trainer.judgemodel.build import AgentStage
+
+            figures = build_adapter(state, cfg, out=args.out or ADAPTER_DIR,
+                                    stage=AgentStage() if args.agent_stage else None)
             print(json.dumps(figures))
             return 0
         if args.cmd == "serve":

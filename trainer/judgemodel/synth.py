@@ -433,3 +433,84 @@ def training_set(n: int, seed: int = 0) -> list[JudgeExample]:
 def normalize(text: str) -> str:
     """Lowercase, letters/digits/placeholders only, single spaces: for disjointness checks."""
     return " ".join(re.sub(r"[^a-z0-9{}' ]+", " ", text.lower()).split())
+
+
+# --- agent turns ----------------------------------------------------------------------------
+# An agent's step is judged by what came back: a tool's result (progress: +1), a tool's
+# error (−1), or the user telling it to use its tools (−1). No hint: the policy has no
+# canonical wording for these. The results are written in several shapes (a sentence, a
+# key/value line, JSON, a shell's exit code and output) so the judge learns "the tool
+# answered" rather than one environment's format.
+
+AGENT_MIX = {"tool_ok": 0.5, "tool_error": 0.3, "nudge": 0.2}
+AGENT_LABELS = {"tool_ok": 1, "tool_error": -1, "nudge": -1}
+TOOL_ERRORS = (
+    "error: no person named {name!r} in the records", "error: unknown attribute {attr!r}",
+    "error: the arguments are not a JSON object", "error: unknown tool {tool!r}",
+    "Error: not found", "ERROR: missing required argument 'person'",
+    '{{"error": "not found", "code": 404}}', "exit code 127\nsh: 1: {tool}: not found",
+    "exit code 1\ncat: notes.txt: No such file or directory", "Traceback (most recent call "
+    "last):\n  ...\nKeyError: {attr!r}", "permission denied", "timeout after 10 s",
+    "error: invalid value for attribute", "no results", "failed: rate limited, try again",
+)
+NUDGES = (
+    "Please use the tools: lookup(person, attribute), then answer(text).",
+    "No command ran. Call the run tool with a shell command to do the task.",
+    "use the lookup tool first", "you have to call a tool, not just answer",
+    "don't guess, look it up with the tool", "call answer() with your final answer",
+    "that's not a tool call. try again with the tool", "run the command, please",
+    "You must use the provided functions.", "check the records before answering",
+)
+TOOL_NAMES = ("search", "get_user", "fetch", "grep", "calc", "weather")
+
+
+def tool_result(world: World, q: Question, rng: random.Random) -> str:
+    """A successful tool result about `q`'s person, in one of several shapes."""
+    value = world.facts[q.name][q.attr]
+    shape = rng.randrange(6)
+    if shape == 0:
+        return fact_sentence(world, q, rng)
+    if shape == 1:
+        return f"{q.attr}: {value}"
+    if shape == 2:
+        return (f'{{"person": "{q.name}", "attribute": "{q.attr}", "value": "{value}"}}')
+    if shape == 3:
+        return f"exit code 0\n{value}"
+    if shape == 4:
+        return f"found 1 record: {q.name}, {q.attr} = {value}"
+    return f'{{"result": "{value}", "ok": true}}'
+
+
+def agent_example(world: World, rng: random.Random, kind: str) -> JudgeExample:
+    """One judged agent step of `kind` (AGENT_MIX) on `world`."""
+    q = rng.choice(world.train)
+    request: list[Message] = [{"role": "user", "content": q.text}]
+    args = {"person": q.name, "attribute": q.attr}
+    call = {"id": "call_0", "type": "function",
+            "function": {"name": "lookup", "arguments": args}}
+    reply: Message = {"role": "assistant", "content": "", "tool_calls": [call]}
+    if kind == "tool_ok":
+        text = tool_result(world, q, rng)
+        next_state: list[Message] = [{"role": "tool", "tool_call_id": "call_0",
+                                      "content": text}]
+    elif kind == "tool_error":
+        text = rng.choice(TOOL_ERRORS).format(name=q.name.lower() + "x", attr=q.attr + "s",
+                                              tool=rng.choice(TOOL_NAMES))
+        next_state = [{"role": "tool", "tool_call_id": "call_0", "content": text}]
+    elif kind == "nudge":
+        reply = {"role": "assistant", "content": render_reply(world, q, Style.random(rng),
+                                                               rng)}
+        text = perturb(rng.choice(NUDGES), rng) if rng.random() < 0.5 else rng.choice(NUDGES)
+        next_state = [{"role": "user", "content": text}]
+    else:
+        raise ValueError(f"unknown agent kind {kind!r}")
+    return JudgeExample(kind, None, text, request, reply, next_state, AGENT_LABELS[kind],
+                        None)
+
+
+def agent_set(n: int, seed: int = 0, world_seed: int = 0) -> list[JudgeExample]:
+    """`n` judged agent steps, kinds drawn by AGENT_MIX (a stream of its own)."""
+    world = World.build(world_seed)
+    rng = random.Random(f"judge-agent-{seed}")
+    kinds, weights = list(AGENT_MIX), list(AGENT_MIX.values())
+    return [agent_example(world, rng, rng.choices(kinds, weights)[0]) for _ in range(n)]
