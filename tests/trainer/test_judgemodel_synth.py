@@ -17,8 +17,8 @@ from judge.prompts import render_fields, render_hint, render_judge, render_prm
 from trainer.judgemodel.build import AgentStage, BuildConfig
 from trainer.judgemodel.model import PROMPT_VERSION, prompts
 from trainer.judgemodel.synth import (
-    MIX,
     AGENT_LABELS,
+    MIX,
     NO_HINT,
     JudgeExample,
     agent_set,

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from trainer.engine.lora import Adapter, LoRAError, Registry, read_adapter
+from trainer.engine.ngram import NgramDraft
 from trainer.engine.protocol import EngineError
 from trainer.engine.scheduler import Scheduler, Sequence
 
@@ -105,7 +106,8 @@ class Engine:
     def __init__(self, model_path: str, *, served_model_name: str | None = None,
                  weight_version: str = "default", device: str = "cpu",
                  dtype: torch.dtype = torch.float32, max_batch: int = 32,
-                 max_loaded_loras: int | None = None) -> None:
+                 max_loaded_loras: int | None = None, speculative_draft_tokens: int = 0,
+                 ) -> None:
         from transformers import AutoTokenizer
 
         self.model_path = str(model_path)
@@ -127,9 +129,11 @@ class Engine:
         from tokenizers import Tokenizer
 
         own = Tokenizer.from_str(self.tokenizer.backend_tokenizer.to_str())
+        drafts = NgramDraft(speculative_draft_tokens) if speculative_draft_tokens else None
         self.scheduler = Scheduler(model, eos_ids=self.eos_ids,
                                    decode=lambda ids: own.decode(ids, skip_special_tokens=True),
-                                   weight_version=weight_version, max_batch=max_batch)
+                                   weight_version=weight_version, max_batch=max_batch,
+                                   drafts=drafts)
         self.lock = RWLock()
         self._resumed = asyncio.Event()
         self._resumed.set()

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from transformers.cache_utils import DynamicCache
 
 from trainer.engine.lora import Adapter, LoRAContext
+from trainer.engine.ngram import NgramDraft
 
 log = logging.getLogger("clawrl.engine")
 
@@ -93,7 +94,8 @@ class Scheduler:
     """Owns the model; runs prefill and batched decode on its own thread."""
 
     def __init__(self, model: Any, *, eos_ids: set[int], decode: Callable[[list[int]], str],
-                 weight_version: str, max_batch: int = 32) -> None:
+                 weight_version: str, max_batch: int = 32,
+                 drafts: NgramDraft | None = None) -> None:
         self.model = model
         self.eos_ids = eos_ids
         self.decode = decode  # token ids -> text (special tokens skipped), for stop strings
@@ -112,6 +114,7 @@ class Scheduler:
         self._stopped = False
         self._calls: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
         self.lora = LoRAContext()
+        self.drafts = drafts  # speculative decoding of lone greedy sequences (`_speculate`)
         self._thread = threading.Thread(target=self._loop, name="engine-scheduler", daemon=True)
         self._rng = torch.Generator().manual_seed(random.randrange(2**63))
 
@@ -208,7 +211,8 @@ class Scheduler:
                 with self._cond:
                     self._admitting = []
                 if self._running:
-                    self._decode_step()
+                    if not self._speculate():
+                        self._decode_step()
             except Exception as exc:  # never leave requests hanging on a dead thread
                 log.exception("engine step failed")
                 failed = [s for s in (*admit, *self._running) if s.finish is None]
@@ -337,6 +341,56 @@ class Scheduler:
             for row, finish in finished.items():
                 self._finish(seqs[row], finish)
 
+    def _speculate(self) -> bool:
+        """One speculative step for a lone greedy sequence; False when there is none to take
+        (a batch, sampling, an adapter, or nothing to draft): then the caller decodes.
+
+        The sequence's pending token and up to k drafted tokens (`NgramDraft`) go through one
+        forward pass. Each position's logits are what a one-token step would see there, so the
+        greedy tokens are appended in order, as `_decode_step` appends them, while they agree
+        with the draft; the first disagreement is still a model token (the step always gains
+        at least one), and the cache keeps only the positions of appended tokens. Logprobs and
+        alternatives come from each position's own logits.
+        """
+        if self.drafts is None or len(self._running) != 1:
+            return False
+        seq = self._running[0]
+        p = seq.params
+        if not (p.temperature < 1e-5 or p.top_k == 1) or seq.adapter is not None:
+            return False
+        room = min(p.max_new_tokens - len(seq.output_ids), self.max_len - seq.n_cached - 1) - 1
+        draft = self.drafts.draft(seq.input_ids[-self.drafts.max_n:] + seq.output_ids, room)
+        if not draft:
+            return False
+        tokens = [seq.output_ids[-1], *draft]
+        width = self._mask.shape[1]
+        mask = torch.cat([self._mask, torch.ones(1, len(tokens), dtype=torch.long)], dim=1)
+        positions = torch.arange(seq.n_cached, seq.n_cached + len(tokens))[None]
+        self.lora.rows = None
+        out = self.model(input_ids=torch.tensor([tokens]), attention_mask=mask,
+                         position_ids=positions, cache=DynamicCache(ddp_cache_data=self._cache),
+                         use_cache=True)
+        logits = out.logits[0].float()  # [len(tokens), V]
+        logp = F.log_softmax(logits, dim=-1)
+        finish: Finish | None = None
+        kept = 0
+        for i in range(len(tokens)):
+            finish = self._append(seq, logits[i], logp[i])
+            kept += 1
+            if finish is not None or i == len(draft) or seq.output_ids[-1] != draft[i]:
+                break
+        self.drafts.proposed += len(draft)
+        self.drafts.accepted += kept - 1
+        self._cache = [(k[:, :, :width + kept], v[:, :, :width + kept])
+                       for k, v, *_ in out.cache]
+        self._mask = mask[:, :width + kept]
+        seq.n_cached += kept
+        if finish is not None:
+            with self._cond:
+                self._keep_rows([])
+            self._finish(seq, finish)
+        return True
+
     def _keep_rows(self, rows: list[int]) -> None:
         if not rows:
             self._running, self._cache = [], []
@@ -390,6 +444,8 @@ class Scheduler:
         return None
 
     def _finish(self, seq: Sequence, finish: Finish) -> None:
+        if self.drafts is not None and seq.output_ids and finish.get("type") != "abort":
+            self.drafts.learn(seq.input_ids[-self.drafts.max_n:] + seq.output_ids)
         seq.finish = finish
         seq.notify()
 

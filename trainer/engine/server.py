@@ -361,6 +361,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--device", default="auto", help="cpu, cuda or auto")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--speculative-algorithm", choices=["ngram"], default=None,
+                        help="ngram: a lone greedy request drafts tokens from what the engine "
+                             "wrote before and checks them in one forward pass (SGLang's flag)")
+    parser.add_argument("--speculative-num-draft-tokens", type=int, default=8)
     parser.add_argument("--max-batch", type=int, default=32)
     parser.add_argument("--max-loaded-loras", type=int, default=None,
                         help="LoRA adapters resident at once; the least recently used "
@@ -374,6 +378,10 @@ def main(argv: list[str]) -> int:
     if not (args.model / "config.json").is_file():
         print(f"clawrl engine: {args.model} is not a Hugging Face model directory "
               "(no config.json)", file=sys.stderr)
+        return 1
+    if args.speculative_num_draft_tokens < 1:
+        print("clawrl engine: --speculative-num-draft-tokens must be at least 1",
+              file=sys.stderr)
         return 1
     if args.max_loaded_loras is not None and args.max_loaded_loras < 1:
         print("clawrl engine: --max-loaded-loras must be at least 1", file=sys.stderr)
@@ -390,7 +398,9 @@ def main(argv: list[str]) -> int:
         engine = Engine(str(args.model), served_model_name=args.served_model_name,
                         weight_version=args.weight_version, device=device,
                         dtype=getattr(torch, args.dtype), max_batch=args.max_batch,
-                        max_loaded_loras=args.max_loaded_loras)
+                        max_loaded_loras=args.max_loaded_loras,
+                        speculative_draft_tokens=(args.speculative_num_draft_tokens
+                                                  if args.speculative_algorithm else 0))
     except Exception as exc:  # a model that cannot load: one line, non-zero exit
         print(f"clawrl engine: cannot load {args.model}: {exc}", file=sys.stderr)
         return 1

@@ -22,7 +22,7 @@ from pathlib import Path
 from judge.prompts import check_version
 from proxy.signals import sigterm_as_interrupt
 from trainer.judgemodel.build import BuildConfig
-from trainer.judgemodel.model import DTYPES, JUDGE_DTYPE
+from trainer.judgemodel.model import DTYPES, JUDGE_DTYPE, SPECULATIVE_FLAGS
 from trainer.pretrained import PullError
 
 
@@ -58,6 +58,9 @@ def main(argv: list[str]) -> int:
     e.add_argument("--threads", type=int, default=1, help="engine torch threads")
     e.add_argument("--dtype", choices=DTYPES, default=JUDGE_DTYPE, help="engine weights")
     e.add_argument("--adapter", type=Path, default=None)
+    e.add_argument("--speculative", action=argparse.BooleanOptionalAction, default=True,
+                   help="n-gram drafts checked in one forward pass, as `judge serve` runs "
+                        "(--no-speculative: one token per forward)")
     e.add_argument("--json", type=Path, default=None, help="also write the figures here")
     e.add_argument("--dev", type=int, default=0, metavar="N",
                    help="N synthetic dev turns instead of the held-out set (for choices)")
@@ -73,6 +76,8 @@ def main(argv: list[str]) -> int:
     v.add_argument("--dtype", choices=DTYPES, default=JUDGE_DTYPE,
                    help="engine weights (bfloat16: the same answers as float32 on the dev "
                         "set, fewer bytes read per token; docs/judge.md)")
+    v.add_argument("--speculative", action=argparse.BooleanOptionalAction, default=True,
+                   help="draft answers from earlier ones (greedy answers unchanged)")
     args = p.parse_args(argv)
     state = Path(args.state_dir)
     try:
@@ -99,7 +104,8 @@ def main(argv: list[str]) -> int:
             model = ensure_judge_model(state)
             return engine_main(["--model", str(model), "--host", args.host,
                                 "--port", str(args.port), "--served-model-name", "judge",
-                                "--threads", str(args.threads), "--dtype", args.dtype])
+                                "--threads", str(args.threads), "--dtype", args.dtype,
+                                *(SPECULATIVE_FLAGS if args.speculative else ())])
         from trainer.judgemodel.evaluate import evaluate, print_report
 
         chosen = {"prm_mode": args.prm_mode, "hint_votes": args.hint_votes,
@@ -109,7 +115,7 @@ def main(argv: list[str]) -> int:
             with sigterm_as_interrupt():  # the engine child is stopped on SIGTERM too
                 report = evaluate(state, limit=args.limit, votes=args.votes, port=args.port,
                                   threads=args.threads, dtype=args.dtype, adapter=args.adapter,
-                                  dev=args.dev,
+                                  dev=args.dev, speculative=args.speculative,
                                   overrides={k: v for k, v in chosen.items() if v is not None})
         except KeyboardInterrupt:
             print("clawrl judge evaluate: stopped", file=sys.stderr)

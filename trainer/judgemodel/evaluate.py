@@ -41,7 +41,12 @@ from judge.judgment import cast_votes
 from judge.prompts import render_fields
 from proxy.signals import die_with_parent
 from trainer.judgemodel.build import BuildConfig
-from trainer.judgemodel.model import ADAPTER_DIR, JUDGE_DTYPE, ensure_judge_model
+from trainer.judgemodel.model import (
+    ADAPTER_DIR,
+    JUDGE_DTYPE,
+    SPECULATIVE_FLAGS,
+    ensure_judge_model,
+)
 from trainer.judgemodel.synth import iter_examples, normalize, styled_reply, training_set
 from trainer.world.town import HINTS, Style, World, fact_sentence, render_reply, wrong_world
 
@@ -131,9 +136,10 @@ def hint_preference(hint: str | None) -> str | None:
 
 
 def start_engine(model: Path, port: int, threads: int, log: Path,
-                 dtype: str = JUDGE_DTYPE) -> subprocess.Popen[bytes]:
+                 dtype: str = JUDGE_DTYPE, speculative: bool = True) -> subprocess.Popen[bytes]:
     cmd = [sys.executable, "-m", "proxy.cli", "engine", "--model", str(model),
-           "--port", str(port), "--threads", str(threads), "--dtype", dtype]
+           "--port", str(port), "--threads", str(threads), "--dtype", dtype,
+           *(SPECULATIVE_FLAGS if speculative else ())]
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
                                 preexec_fn=die_with_parent)
@@ -209,8 +215,8 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
 
 def evaluate(state_dir: Path, *, limit: int | None = None, votes: int = 3, port: int = 30071,
              threads: int = 1, dtype: str = JUDGE_DTYPE, adapter: Path | None = None,
-             seed: int = 0,
-             overrides: dict[str, Any] | None = None, dev: int = 0) -> dict[str, Any]:
+             seed: int = 0, overrides: dict[str, Any] | None = None, dev: int = 0,
+             speculative: bool = True) -> dict[str, Any]:
     model = ensure_judge_model(state_dir, adapter or ADAPTER_DIR)
     world = World.build(0)
     rng = random.Random(f"judge-eval-{seed}")
@@ -223,7 +229,7 @@ def evaluate(state_dir: Path, *, limit: int | None = None, votes: int = 3, port:
     settings = JudgeSettings(**{**JUDGE_MODEL_SETTINGS, "votes": votes, **(overrides or {})})
     log = state_dir / "logs" / "judge-eval-engine.log"
     log.parent.mkdir(parents=True, exist_ok=True)
-    proc = start_engine(model, port, threads, log, dtype)
+    proc = start_engine(model, port, threads, log, dtype, speculative)
     try:
         results = asyncio.run(run_cases(f"http://127.0.0.1:{port}/v1", cases, settings))
     finally:
@@ -235,7 +241,7 @@ def evaluate(state_dir: Path, *, limit: int | None = None, votes: int = 3, port:
     how = {k: getattr(settings, k) for k in ("prm_mode", "votes", "temperature", "hint_votes",
                                                "hint_temperature")}
     return {"set": "dev" if dev else "heldout", "rows": len(rows), "settings": how,
-            "threads": threads, "dtype": dtype,
+            "threads": threads, "dtype": dtype, "speculative": speculative,
             "summary": summarize(results), "targets": TARGETS,
             "misses": [r for r in results if r["reward"] != r["expected"]
                        or (r["kind"] == "style"
@@ -247,7 +253,8 @@ def print_report(report: dict[str, Any]) -> None:
     how = report["settings"]
     print(f"{report['set']} rows judged: {report['rows']}  (PRM {how['prm_mode']} with "
           f"{how['votes']} votes, {how['hint_votes']} hint votes, engine threads "
-          f"{report['threads']}, {report['dtype']})")
+          f"{report['threads']}, {report['dtype']}"
+          f"{', n-gram drafts' if report.get('speculative') else ''})")
 
     def line(name: str, cell: dict[str, Any], target: str) -> None:
         print(f"  {name:<28} {cell['hits']:>4}/{cell['n']:<4} {cell['rate']}   target {target}")

@@ -40,6 +40,10 @@ MERGED_MARKER = ".merged"
 # same greedy answer every time (first-token probabilities within 0.013; docs/judge.md).
 JUDGE_DTYPE = "bfloat16"
 DTYPES = ("float32", "bfloat16")
+# The judge's answers repeat (the same scores and canonical hints): its engine drafts each
+# answer from the ones it wrote before and checks the draft in one forward pass (greedy, so
+# the answers are the model's own; trainer/engine/ngram.py, docs/judge.md).
+SPECULATIVE_FLAGS = ("--speculative-algorithm", "ngram", "--speculative-num-draft-tokens", "8")
 # ChatML, as SmolLM2's own template, minus its default system message.
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + "
