@@ -7,8 +7,6 @@ from pathlib import Path
 from typing import Any
 
 from trainer.eval.config import (
-    ALL_METHODS,
-    CONNECTED,
     TARGET_ACCURACY_DROP,
     TARGET_PREFS,
     TARGET_SATISFIED,
@@ -27,10 +25,11 @@ def print_table(rows: list[dict[str, Any]]) -> str:
     """Satisfaction (and task accuracy) per round, method and user, as plain text: the mean
     over seeds, with the version served (the one version when all seeds served it)."""
     users = sorted({(r["user"], r["pref"]) for r in rows})
-    methods = [m for m in (*ALL_METHODS, CONNECTED) if any(r["method"] == m for r in rows)]
+    methods = list(dict.fromkeys(r["method"] for r in rows))  # in the order they ran
     cols = [(m, u) for m in methods for u, _ in users]
     seeds = sorted({r.get("seed", 0) for r in rows})
-    head = "round  " + "  ".join(f"{m}/{u.split('-', 2)[2]:<10}"[:22].ljust(22) for m, u in cols)
+    head = "round  " + "  ".join(f"{m}/{u.split('-', 2)[-1]:<10}"[:22].ljust(22)
+                                 for m, u in cols)
     lines = [f"mean over seeds {','.join(map(str, seeds))}"] if len(seeds) > 1 else []
     lines.append(head)
     for rnd in sorted({r["round"] for r in rows}):
@@ -60,7 +59,7 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     moved from round 0 at most (it should stay at the base rate).
     """
     out = []
-    for method in (*ALL_METHODS, CONNECTED):
+    for method in dict.fromkeys(r["method"] for r in rows):  # in the order they ran
         for seed in sorted({r.get("seed", 0) for r in rows if r["method"] == method}):
             mine = [r for r in rows if r["method"] == method and r.get("seed", 0) == seed]
             rounds = sorted({r["round"] for r in mine})
