@@ -263,6 +263,7 @@ def test_the_toolcall_track_defaults_and_its_methods_settings() -> None:
     config = cli.parse_args(["--track", "toolcall"])
     assert config.track == "toolcall" and config.model.name == "tinyworld-tools"
     assert config.methods == ("outcome+process", "outcome", "process", "none")
+    assert config.lr == evalconfig.TOOLCALL_LR and cli.parse_args([]).lr == 8e-4
     envs = [evalconfig.stack_env(config, m) for m in config.methods[:3]]
     # All train with rl; only the outcome's weight differs (1.0: the outcome alone, 0: the
     # judge's process reward alone).

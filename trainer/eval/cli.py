@@ -53,6 +53,7 @@ from trainer.eval.config import (
     PERSONAL_PREFS,
     SMALL_BATCH,
     SMALL_ROUNDS,
+    TOOLCALL_LR,
     TOOLCALL_METHODS,
     TRACKS,
     EvalConfig,
@@ -98,7 +99,9 @@ def parse_args(argv: list[str]) -> EvalConfig:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--seeds", default=None,
                    help="run everything once per seed, e.g. 0,1,2 (overrides --seed)")
-    p.add_argument("--lr", type=float, default=EvalConfig.lr, help="trainer learning rate")
+    p.add_argument("--lr", type=float, default=None,
+                   help=f"trainer learning rate (default {EvalConfig.lr}; --track toolcall: "
+                        f"{TOOLCALL_LR})")
     p.add_argument("--adapter-lr", type=float, default=EvalConfig.adapter_lr,
                    help="--personal: the per-user adapters' learning rate")
     p.add_argument("--kl-coef", type=float, default=EvalConfig.kl_coef)
@@ -129,6 +132,8 @@ def parse_args(argv: list[str]) -> EvalConfig:
     if toolcall and (args.small or args.personal or args.prefs or args.followups):
         raise SystemExit("clawrl eval: --track toolcall takes none of --small, --personal, "
                          "--prefs, --followups")
+    if args.lr is None:
+        args.lr = TOOLCALL_LR if toolcall else EvalConfig.lr
     if toolcall and args.proxy_url:
         raise SystemExit("clawrl eval: --track toolcall starts its own stacks (no --proxy-url)")
     if args.methods is None:
