@@ -262,9 +262,11 @@ class TurnWriter:
             except TimeoutError:
                 return
 
-    async def wait_queued(self, timeout_s: float = 5.0) -> None:
+    async def wait_queued(self, timeout_s: float = 30.0) -> None:
         """Wait until every turn queued now has left the queue (for a session outcome
-        posted right after the session's last reply, which may be what creates it)."""
+        posted right after the session's last reply, which may be what creates it). Returns
+        at once when nothing is queued; 30 s, because on a loaded machine a batch took over
+        5 s to store and the outcome of a one-step episode was answered 404."""
         queued = set(self._pending)
         deadline = time.monotonic() + timeout_s
         while queued & self._pending and (left := deadline - time.monotonic()) > 0:

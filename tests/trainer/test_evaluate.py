@@ -456,6 +456,7 @@ def test_the_toolcall_track_trains_from_outcomes_through_the_real_stack(
     # A wave of 16 episodes writes 30-40 samples: the trainer may publish two batches of 16
     # before the round's probe.
     assert rows[0]["version"] == "0" and int(rows[1]["version"]) >= 1
+    assert rows[1]["failed_train_episodes"] == 0  # every request and outcome was taken
     assert all(0.0 <= r["satisfied"] <= 1.0 and abs(sum(r["first_move"].values()) - 1) < 1e-3
                for r in rows)
     url = (out / "outcome" / "database.txt").read_text().strip()

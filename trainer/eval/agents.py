@@ -52,10 +52,12 @@ async def run_agent_rounds(config: EvalConfig, method: str, proxy_url: str, db_u
     started = time.monotonic()
     try:
         for rnd in range(config.rounds + 1):
+            failed = 0  # training episodes whose request or outcome the proxy refused
             if rnd > 0 and method != "none":
                 start = (await loop_state(db, method))[2]
                 for wave in range(config.max_chats * -(-config.batch_size // 16)):
-                    await run_pool(_pool(config, rnd, wave), base_url, key)
+                    failed += sum((await run_pool(_pool(config, rnd, wave), base_url,
+                                                  key)).errors().values())
                     await wait_judged(db, method, config.round_timeout_s)
                     _, ready, newest = await loop_state(db, method)
                     if ready >= config.batch_size or newest > start:
@@ -63,9 +65,9 @@ async def run_agent_rounds(config: EvalConfig, method: str, proxy_url: str, db_u
                 await wait_published(db, method, engine_url, start, config.round_timeout_s)
             version = await serving_version(engine_url)
             probe = await run_pool(_probe(config), base_url, key)
-            on_round(method, rnd, [probe_row(config, method, rnd, version,
-                                             await version_stats(db, version), probe,
-                                             time.monotonic() - started)])
+            row = probe_row(config, method, rnd, version, await version_stats(db, version),
+                            probe, time.monotonic() - started)
+            on_round(method, rnd, [{**row, "failed_train_episodes": failed}])
     finally:
         await db.dispose()
 
