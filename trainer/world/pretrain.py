@@ -296,7 +296,6 @@ def build(directory: Path, config: BuildConfig, max_seconds: float | None = None
     the package ships this exact build and `use_prebuilt`)."""
     import torch
 
-    from trainer.world.model import save_model_dir
     from trainer.world.report import evaluate_model
 
     if is_built(directory, config):
@@ -312,19 +311,29 @@ def build(directory: Path, config: BuildConfig, max_seconds: float | None = None
     tokenizer = train_world_tokenizer(world, config)
     log(f"tokenizer: {tokenizer.get_vocab_size()} tokens in {time.monotonic() - t0:.1f}s")
     model, info = train_model(world, tokenizer, config, max_seconds, log)
-    tmp = directory.with_name(directory.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    save_model_dir(tmp, model, tokenizer)
     log("evaluating what it learned ...")
     report = {"config": asdict(config), "training": info,
               **evaluate_model(model, tokenizer, world, config.eval_cases, config.seed)}
-    (tmp / REPORT).write_text(json.dumps(report, indent=2))
-    (tmp / MARKER).write_text(json.dumps({"key": build_key(config), "config": asdict(config)}))
-    shutil.rmtree(directory, ignore_errors=True)
-    tmp.rename(directory)
+    install(directory, model, tokenizer, report, {"config": asdict(config)}, config)
     log(json.dumps({k: v for k, v in report.items() if k != "config"}, indent=1))
     log(f"built {directory}")
     return directory
+
+
+def install(directory: Path, model: Any, tokenizer: Any, report: dict[str, Any],
+            marker: dict[str, Any], config: BuildConfig | ToolsConfig,
+            template: str | None = None) -> None:
+    """Write the model, `report` and the build marker (`marker` plus the key of `config`,
+    written last) into `directory`, through a sibling temp folder renamed into place."""
+    from trainer.world.model import CHAT_TEMPLATE, save_model_dir
+
+    tmp = directory.with_name(directory.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_model_dir(tmp, model, tokenizer, template=template or CHAT_TEMPLATE)
+    (tmp / REPORT).write_text(json.dumps(report, indent=2))
+    (tmp / MARKER).write_text(json.dumps({"key": build_key(config), **marker}))
+    shutil.rmtree(directory, ignore_errors=True)
+    tmp.rename(directory)
 
 
 def copy_shipped(directory: Path, config: BuildConfig | ToolsConfig,
@@ -365,7 +374,6 @@ def build_tools(directory: Path, config: ToolsConfig = TOOLS_BUILD,
     from tokenizers import Tokenizer
     from transformers import Qwen2ForCausalLM
 
-    from trainer.world.model import save_model_dir
     from trainer.world.report import evaluate_tools
     from trainer.world.tools import TOOLS_CHAT_TEMPLATE
 
@@ -383,18 +391,12 @@ def build_tools(directory: Path, config: ToolsConfig = TOOLS_BUILD,
     log(f"tools: training {base} further on tool episodes ({config.tool_share:.0%})")
     model, info = train_model(world, tokenizer, config, max_seconds, log, model=model,
                               rendered=tool_mix(world, config))
-    tmp = directory.with_name(directory.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    save_model_dir(tmp, model, tokenizer, template=TOOLS_CHAT_TEMPLATE)
     log("evaluating its tool use ...")
     report = {"config": asdict(config), "base_key": build_key(FULL), "training": info,
               "tools": evaluate_tools(model, tokenizer, world, config.eval_episodes,
                                       config.seed)}
-    (tmp / REPORT).write_text(json.dumps(report, indent=2))
-    (tmp / MARKER).write_text(json.dumps({"key": build_key(config), "config": asdict(FULL),
-                                          "tools": asdict(config)}))
-    shutil.rmtree(directory, ignore_errors=True)
-    tmp.rename(directory)
+    install(directory, model, tokenizer, report,
+            {"config": asdict(FULL), "tools": asdict(config)}, config, TOOLS_CHAT_TEMPLATE)
     log(json.dumps(report["tools"], indent=1))
     log(f"built {directory}")
     return directory

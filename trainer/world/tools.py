@@ -72,12 +72,16 @@ TOOLS_CHAT_TEMPLATE = chat_template(COMPACT_TOOLS_HEADER)
 # --- the task ----------------------------------------------------------------------------
 
 
+def record_key(person: str, attribute: str) -> tuple[str, str]:
+    """(name, attribute) as the records file them: forgiving about case, spaces, "colour"."""
+    return person.strip().capitalize(), attribute.strip().lower().replace("colour", "color")
+
+
 def lookup_result(world: World, person: Any, attribute: Any) -> tuple[str, bool]:
     """The records' answer to `lookup(person, attribute)` and whether it found a fact."""
     if not isinstance(person, str) or not isinstance(attribute, str):
         return "error: lookup needs a person and an attribute", False
-    name = person.strip().capitalize()
-    attr = attribute.strip().lower().replace("colour", "color")
+    name, attr = record_key(person, attribute)
     if name not in world.facts:
         return f"error: no person named {person.strip()!r} in the records", False
     if attr not in ATTRIBUTES:
@@ -156,10 +160,8 @@ class ToolEpisode:
             if name == "lookup" and args is not None:
                 content, found = lookup_result(self.world, args.get("person"),
                                                args.get("attribute"))
-                if found:
-                    self.attempt.looked_up.add(
-                        (str(args["person"]).strip().capitalize(),
-                         str(args["attribute"]).strip().lower().replace("colour", "color")))
+                if found:  # (found: both are strings)
+                    self.attempt.looked_up.add(record_key(args["person"], args["attribute"]))
             elif args is None:
                 content = "error: the arguments are not a JSON object"
             else:
