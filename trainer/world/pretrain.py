@@ -412,7 +412,8 @@ def build_main(argv: list[str]) -> int:
                       help="the CI-sized model (~5 min; what `clawrl eval --small` uses)")
     size.add_argument("--tools", action="store_true",
                       help="the tool-call model: the full build trained further on tool "
-                           "episodes (~6 min; `clawrl eval --track toolcall`)")
+                           "episodes (16 min measured on a shared 2-core machine; `clawrl eval --track "
+                           "toolcall`)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--minutes", type=float, default=None,
                         help="cap on training time (default: run all steps)")
