@@ -57,6 +57,11 @@ class TrainerSettings(BaseModel):
     # > 0: a sample whose session has no outcome yet waits up to this long after it was
     # written (agents whose verifier reports at the end); 0: train it at once.
     outcome_wait_s: float = Field(default=0.0, ge=0)
+    # A baseline subtracted from each sample's reward (trainer/loss.py `reward_baseline`):
+    # `batch_mean`, the mean reward of the batch's samples that have one, so a batch of
+    # mostly +1 pushes toward what did better than the rest rather than on everything
+    # sampled; `none`, the raw reward (what the chat recipe was measured with).
+    reward_baseline: Literal["none", "batch_mean"] = "none"
     # TINYWORLD.md: lr 3e-4 collapses the tiny model; stay at or below 1e-4 with a KL term.
     lr: float = Field(default=2e-5, gt=0, le=1e-3)
     # LoRA adapters' learning rate (`lora.enabled`, personal mode); None: `lr`. An adapter

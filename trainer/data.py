@@ -35,6 +35,7 @@ from sqlalchemy.engine import Connection, Engine
 
 from proxy.db import ChatSession, PolicyVersion, Sample, TrainingStep, Turn, User
 from trainer.config import TrainerSettings
+from trainer.loss import mix_rewards, reward_baseline
 
 SAMPLES = cast(Table, Sample.__table__)
 STEPS = cast(Table, TrainingStep.__table__)
@@ -135,6 +136,8 @@ class Batch:
     outcome: torch.Tensor
     has_outcome: torch.Tensor
     staleness: list[int]
+    # [B]: subtracted from each sample's reward (trainer.loss.reward_baseline); zeros: none.
+    baseline: torch.Tensor
 
     @property
     def num_tokens(self) -> int:
@@ -152,7 +155,8 @@ class Batch:
             rollout_logp=self.rollout_logp.to(device), teacher_logp=self.teacher_logp.to(device),
             reward=self.reward.to(device), has_reward=self.has_reward.to(device),
             has_teacher=self.has_teacher.to(device), outcome=self.outcome.to(device),
-            has_outcome=self.has_outcome.to(device), staleness=self.staleness)
+            has_outcome=self.has_outcome.to(device), staleness=self.staleness,
+            baseline=self.baseline.to(device))
 
     def micro_batches(self, size: int) -> list[Batch]:
         out = []
@@ -168,7 +172,7 @@ class Batch:
                 teacher_logp=self.teacher_logp[s, :length - 1], reward=self.reward[s],
                 has_reward=self.has_reward[s], has_teacher=self.has_teacher[s],
                 outcome=self.outcome[s], has_outcome=self.has_outcome[s],
-                staleness=self.staleness[s]))
+                staleness=self.staleness[s], baseline=self.baseline[s]))
         return out
 
 
@@ -202,7 +206,8 @@ def collate(samples: Sequence[SampleRow], current_version: int, pad_id: int = 0)
         has_teacher=torch.tensor([s.teacher_logprobs is not None for s in samples]),
         outcome=torch.tensor([float(s.outcome or 0.0) for s in samples]),
         has_outcome=torch.tensor([s.outcome is not None for s in samples]),
-        staleness=[current_version - s.version for s in samples])
+        staleness=[current_version - s.version for s in samples],
+        baseline=torch.zeros(n))
 
 
 @dataclass
@@ -296,6 +301,11 @@ def claim_batch(
                                  r.reward, row_version(r, cfg.personal), r.outcome)
                        for r in rows]
             batch = collate(samples, current_version)
+            if cfg.reward_baseline == "batch_mean":
+                mixed, on = mix_rewards(method=cfg.method, w_outcome=cfg.outcome_weight,
+                                        reward=batch.reward, has_reward=batch.has_reward,
+                                        outcome=batch.outcome, has_outcome=batch.has_outcome)
+                batch.baseline = reward_baseline(mixed, on)
             return Claim(conn, batch, [s.reward for s in samples], skipped,
                          [s.outcome for s in samples]), skipped
         conn.rollback()

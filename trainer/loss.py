@@ -12,6 +12,8 @@ The objective (DESIGN §4, §10), per response token t of sample b:
     r_b     = w_o · o_b + (1 − w_o) · p_b   the session outcome o mixed with the process reward
                                             p (the judge's vote); either alone where only it is
                                             present, and p never under 'opd' (`mix_rewards`)
+    r_b    −= b_b                           an optional baseline: the batch's mean r over the
+                                            samples that have one (`reward_baseline`)
     A_t     = w_rl · r_b + w_opd · (teacher_logp_t − rollout_logp_t)   (each term only where present)
     ratio_t = exp(logp_new_t − rollout_logp_t)                          (behaviour = serving policy)
     pg_t    = −min(ratio_t · A_t, clip(ratio_t, 1 − ε_low, 1 + ε_high) · A_t)
@@ -78,6 +80,17 @@ def mix_rewards(
     return mixed, p_on | o_on
 
 
+def reward_baseline(mixed: Tensor, on: Tensor) -> Tensor:
+    """The batch-mean baseline `[B]`: the mean of `mixed` over the samples where `on`, the
+    same for every sample (0 where none is on). Subtracted from the reward it turns a batch
+    of mostly +1 (or mostly −1) into a push toward what did better than the batch and away
+    from what did worse, instead of a push on everything sampled (REINFORCE with a baseline;
+    GRPO without the per-prompt groups and the std scaling)."""
+    on = on.bool()
+    mean = mixed[on].mean() if on.any() else mixed.new_zeros(())
+    return torch.full_like(mixed, float(mean))
+
+
 def compute_advantages(
     *,
     method: str,
@@ -91,6 +104,7 @@ def compute_advantages(
     outcome: Tensor | None = None,
     has_outcome: Tensor | None = None,
     w_outcome: float = 0.0,
+    baseline: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Per-token advantages `[B, T]` and which samples carry a signal `[B]` (bool).
 
@@ -99,6 +113,7 @@ def compute_advantages(
     `has_teacher` is False); outcome / has_outcome `[B]` the session outcome (None: none).
     `method` selects the terms: 'rl' reward only, 'opd' teacher only, 'combine' both, each
     only where present; the outcome joins the reward term under every method (`mix_rewards`).
+    baseline `[B]` (`reward_baseline`, None: none) is subtracted from the reward where present.
     A sample with no selected term has signal False and advantage 0 everywhere; the caller
     must drop it from the loss mask.
     """
@@ -109,6 +124,8 @@ def compute_advantages(
         outcome, has_outcome = torch.zeros_like(reward), torch.zeros_like(has_reward)
     r, rl_on = mix_rewards(method=method, w_outcome=w_outcome, reward=reward,
                            has_reward=has_reward, outcome=outcome, has_outcome=has_outcome)
+    if baseline is not None:
+        r = torch.where(rl_on, r - baseline.float(), 0.0)
     opd_on = has_teacher.bool() & use_opd  # [B]
 
     # Sequence-level reward broadcast over the sample's tokens: [B] -> [B, 1].

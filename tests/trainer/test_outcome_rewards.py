@@ -16,7 +16,7 @@ from sqlalchemy.engine import Engine
 from trainer.backends.base import micro_batch_loss, signal_mask
 from trainer.config import TrainerSettings
 from trainer.data import ModelLimits, SampleRow, claim_batch, collate, record_step
-from trainer.loss import compute_advantages, mix_rewards
+from trainer.loss import compute_advantages, mix_rewards, reward_baseline
 
 SampleFactory = Callable[..., int]
 LIMITS = ModelLimits(vocab_size=100, max_context=8)
@@ -237,3 +237,48 @@ def test_an_outcome_only_sample_trains_on_its_outcome_under_every_method(
     claim, skipped = claim_batch(db, cfg(outcome_weight=0.0), LIMITS, 0, give_up_after_s=0.1)
     assert claim is None and skipped == {"no_signal": 1}
     assert _samples(db) == {**trained, ignored: (None, "no_signal", None)}
+
+
+# --- the batch-mean baseline (trainer/loss.py `reward_baseline`) -----------------------------
+
+def test_the_baseline_is_the_mean_reward_of_the_samples_that_have_one() -> None:
+    """rl at w_o 0.25: r = (−0.5, −1, +1, absent); mean over the three = −1/6. A = 2·(r − b):
+    s0 2·(−0.5 + 1/6) = −2/3, s1 2·(−1 + 1/6) = −5/3, s2 2·(1 + 1/6) = 7/3, s3 none (0)."""
+    mixed, on = mix_rewards(method="rl", w_outcome=0.25, reward=torch.tensor(REWARD),
+                            has_reward=torch.tensor(HAS_REWARD), outcome=torch.tensor(OUTCOME),
+                            has_outcome=torch.tensor(HAS_OUTCOME))
+    baseline = reward_baseline(mixed, on)
+    assert baseline.tolist() == pytest.approx([-1 / 6] * 4)
+    adv, signal = compute_advantages(
+        method="rl", w_rl=2.0, w_opd=0.5, reward=torch.tensor(REWARD),
+        has_reward=torch.tensor(HAS_REWARD), teacher_logp=torch.tensor(TEACHER),
+        has_teacher=torch.tensor(HAS_TEACHER), rollout_logp=torch.tensor(ROLLOUT),
+        outcome=torch.tensor(OUTCOME), has_outcome=torch.tensor(HAS_OUTCOME),
+        w_outcome=0.25, baseline=baseline)
+    assert torch.allclose(adv, torch.tensor([[-2 / 3] * 2, [-5 / 3] * 2, [7 / 3] * 2, [0.0] * 2]))
+    assert signal.tolist() == [True, True, True, False]
+    # No sample with a reward: nothing to average, a zero baseline.
+    assert reward_baseline(mixed, torch.zeros(4, dtype=torch.bool)).tolist() == [0.0] * 4
+
+
+def test_a_batch_all_alike_teaches_nothing_through_the_reward_under_the_baseline(
+        db: Engine, add_sample: SampleFactory) -> None:
+    """claim_batch sets the baseline for the whole batch, micro batches carry their rows of
+    it: four +1 samples are a zero advantage (loss 0 at ratio 1); without the baseline the
+    same batch's loss is −1."""
+    ids = [add_sample(reward=1) for _ in range(4)]
+    for kind, expected in (("batch_mean", 0.0), ("none", -1.0)):
+        settings = cfg(method="rl", kl_coef=0.0, reward_baseline=kind, micro_batch_size=2)
+        claim, _ = claim_batch(db, settings, LIMITS, 0)
+        assert claim is not None and claim.batch.sample_ids == ids
+        total = sum(micro_batch_loss(settings, m, m.rollout_logp, claim.batch.num_tokens).loss
+                    for m in claim.batch.micro_batches(2))
+        assert float(total) == pytest.approx(expected), kind
+        claim.release()
+    # The four (released, so claimed again) and one −1: b = (4 − 1) / 5 = 0.6.
+    worse = add_sample(reward=-1)
+    settings = cfg(method="rl", kl_coef=0.0, reward_baseline="batch_mean", batch_size=5)
+    claim, _ = claim_batch(db, settings, LIMITS, 0)
+    assert claim is not None and worse in claim.batch.sample_ids
+    assert claim.batch.baseline.tolist() == pytest.approx([0.6] * 5)
+    claim.release()

@@ -110,7 +110,8 @@ def micro_batch_loss(
         method=cfg.method, w_rl=cfg.w_rl, w_opd=cfg.w_opd, reward=micro.reward,
         has_reward=micro.has_reward, teacher_logp=micro.teacher_logp,
         has_teacher=micro.has_teacher, rollout_logp=micro.rollout_logp,
-        outcome=micro.outcome, has_outcome=micro.has_outcome, w_outcome=cfg.outcome_weight)
+        outcome=micro.outcome, has_outcome=micro.has_outcome, w_outcome=cfg.outcome_weight,
+        baseline=micro.baseline)
     mask = micro.loss_mask * has_signal.unsqueeze(-1).to(micro.loss_mask.dtype)
     return policy_loss(
         logp_new=logp_new, rollout_logp=micro.rollout_logp, advantages=advantages, mask=mask,

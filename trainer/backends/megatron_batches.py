@@ -44,6 +44,7 @@ def _pad(micro: Batch, rows: int, length: int) -> Batch:
         has_teacher=grow(micro.has_teacher, 0),
         outcome=grow(micro.outcome, 0),
         has_outcome=grow(micro.has_outcome, 0),
+        baseline=grow(micro.baseline, 0),
         staleness=list(micro.staleness) + [0] * extra_rows,
     )
 

@@ -53,6 +53,7 @@ from trainer.eval.config import (
     PERSONAL_PREFS,
     SMALL_BATCH,
     SMALL_ROUNDS,
+    TOOLCALL_BASELINE,
     TOOLCALL_LR,
     TOOLCALL_METHODS,
     TRACKS,
@@ -105,6 +106,10 @@ def parse_args(argv: list[str]) -> EvalConfig:
     p.add_argument("--adapter-lr", type=float, default=EvalConfig.adapter_lr,
                    help="--personal: the per-user adapters' learning rate")
     p.add_argument("--kl-coef", type=float, default=EvalConfig.kl_coef)
+    p.add_argument("--reward-baseline", choices=("none", "batch_mean"), default=None,
+                   help="subtract the batch's mean reward from each sample's (the trainer's "
+                        "reward_baseline; default none, --track toolcall: "
+                        f"{TOOLCALL_BASELINE})")
     p.add_argument("--batch-size", type=int, default=None,
                    help=f"samples per version, per user with --personal (default "
                         f"{EvalConfig.batch_size}; {SMALL_BATCH} with --small)")
@@ -134,6 +139,8 @@ def parse_args(argv: list[str]) -> EvalConfig:
                          "--prefs, --followups")
     if args.lr is None:
         args.lr = TOOLCALL_LR if toolcall else EvalConfig.lr
+    if args.reward_baseline is None:
+        args.reward_baseline = TOOLCALL_BASELINE if toolcall else EvalConfig.reward_baseline
     if toolcall and args.proxy_url:
         raise SystemExit("clawrl eval: --track toolcall starts its own stacks (no --proxy-url)")
     if args.methods is None:
@@ -188,7 +195,7 @@ def parse_args(argv: list[str]) -> EvalConfig:
                       sessions=args.sessions, parallel=args.parallel, probes=args.probes,
                       seed=seeds[0], seeds=seeds,
                       lr=args.lr, adapter_lr=args.adapter_lr, kl_coef=args.kl_coef,
-                      batch_size=args.batch_size,
+                      reward_baseline=args.reward_baseline, batch_size=args.batch_size,
                       round_timeout_s=args.round_timeout, proxy_url=args.proxy_url,
                       keep_db=args.keep_db, followups=args.followups,
                       engine_url=args.engine_url, judge_engine=args.judge_engine,

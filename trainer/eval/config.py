@@ -24,6 +24,7 @@ TOOLCALL_METHODS = (*TRACK_METHODS, "none")
 # tool-call JSON and answers fell apart within a few versions, at 4e-4 answers still lost
 # 10-30 points, at 2e-4 they held (0.92-0.98) and success went highest (0.53 -> 0.84).
 TOOLCALL_LR = 2e-4
+TOOLCALL_BASELINE = "batch_mean"
 SMALL_ROUNDS = 4  # `--small`: a CI-sized run
 SMALL_BATCH = 32  # `--small` has one user: half the chat per version
 PARTIAL_AFTER_S = 45
@@ -64,6 +65,7 @@ class EvalConfig:
     # `personal`: the adapters' learning rate (docs/eval.md "One adapter per user").
     adapter_lr: float = float(TINYWORLD_RECIPE["adapter_lr"])
     kl_coef: float = float(TINYWORLD_RECIPE["kl_coef"])
+    reward_baseline: str = "none"  # the trainer's `reward_baseline`
     batch_size: int = int(TINYWORLD_RECIPE["batch_size"])
     round_timeout_s: float = 900.0
     engine_threads: int = 1
@@ -102,6 +104,7 @@ def stack_env(config: EvalConfig, method: str) -> dict[str, str]:
                                                 * config.users_per_pref)),
            "CLAWRL_TRAINER__METHOD": trainer_method(method), "CLAWRL_TRAINER__LR": str(config.lr),
            "CLAWRL_TRAINER__KL_COEF": str(config.kl_coef),
+           "CLAWRL_TRAINER__REWARD_BASELINE": config.reward_baseline,
            "CLAWRL_TRAINER__BATCH_SIZE": str(batch),
            "CLAWRL_TRAINER__MICRO_BATCH_SIZE": str(min(8, batch)),
            # Full batches, normally: the eval chats until one is ready (one version per
