@@ -28,7 +28,7 @@ CONTEXT_MESSAGES = 4
 MAX_MESSAGE_CHARS = 600
 # Combined versions answered with the bare score first ("1 [NO_HINT]", "-1 [HINT] … [/HINT]")
 # instead of a `\\boxed{…}`: the answer's first token is the decision.
-SCORE_FIRST_VERSIONS = frozenset({"v4"})
+SCORE_FIRST_VERSIONS = frozenset({"v4", "v5"})
 # System-like roles are left out of the context: agent frameworks rewrite them per request.
 _SKIPPED_ROLES = frozenset({"system", "developer"})
 
@@ -117,13 +117,31 @@ def render_feedback(feedback: Sequence[FeedbackItem]) -> str:
     return "[FEEDBACK]\n" + "".join(line + "\n" for line in lines)
 
 
+def render_step(request_messages: Sequence[Mapping[str, Any]],
+                response_message: Mapping[str, Any] | None) -> str:
+    """An agent's step, for a reply that calls tools: `[STEP]`, what the agent was asked (the
+    request's first user message, the task, and its last one when there are more: a later
+    request or a nudge) and the reply's calls, each line ending in `\n`; "" for any other
+    reply, so a people turn's prompt is the same with or without it. A tool's result says
+    what came back, not whether it was what was asked for; beside the task and the call, a
+    judge can tell a lookup of the wrong thing from progress."""
+    calls = (response_message or {}).get("tool_calls") or []
+    if not calls:
+        return ""
+    asked = [m for m in request_messages if m.get("role") == "user"]
+    lines = [render_message(m) for m in (asked[:1] + asked[1:][-1:])]
+    lines += ["assistant: " + _cut(render_tool_call(c)) for c in calls]
+    return "[STEP]\n" + "".join(line + "\n" for line in lines)
+
+
 def render_fields(request_messages: Sequence[Mapping[str, Any]],
                   response_message: Mapping[str, Any] | None, next_state: Any,
                   feedback: Sequence[FeedbackItem] = ()) -> dict[str, str]:
-    """The four placeholders shared by the prm and hint templates."""
+    """The placeholders shared by the templates (a template uses those it names)."""
     return {
         "context": render_context(request_messages),
         "reply": render_message(response_message or {}, role="assistant"),
+        "step": render_step(request_messages, response_message),
         "next_state": "\n".join(render_message(m) for m in as_messages(next_state)),
         "feedback": render_feedback(feedback),
     }

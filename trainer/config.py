@@ -60,8 +60,10 @@ class TrainerSettings(BaseModel):
     # A baseline subtracted from each sample's reward (trainer/loss.py `reward_baseline`):
     # `batch_mean`, the mean reward of the batch's samples that have one, so a batch of
     # mostly +1 pushes toward what did better than the rest rather than on everything
-    # sampled; `none`, the raw reward (what the chat recipe was measured with).
-    reward_baseline: Literal["none", "batch_mean"] = "none"
+    # sampled; `none`, the raw reward (what the shared chat recipe was measured with).
+    # Unset: `batch_mean` in personal mode (its adapters kept answer accuracy with it,
+    # docs/eval.md "One adapter per user"), else `none`.
+    reward_baseline: Literal["none", "batch_mean"] | None = None
     # TINYWORLD.md: lr 3e-4 collapses the tiny model; stay at or below 1e-4 with a KL term.
     lr: float = Field(default=2e-5, gt=0, le=1e-3)
     # LoRA adapters' learning rate (`lora.enabled`, personal mode); None: `lr`. An adapter
@@ -126,6 +128,11 @@ class TrainerSettings(BaseModel):
         if self.personal and not self.lora.enabled:
             self.lora = self.lora.model_copy(update={"enabled": True})
         return self
+
+    @property
+    def baseline(self) -> str:
+        """The reward baseline in effect (`reward_baseline`, or its default for the mode)."""
+        return self.reward_baseline or ("batch_mean" if self.personal else "none")
 
 
 class Settings(ProxyProcessSettings):

@@ -301,7 +301,7 @@ def claim_batch(
                                  r.reward, row_version(r, cfg.personal), r.outcome)
                        for r in rows]
             batch = collate(samples, current_version)
-            if cfg.reward_baseline == "batch_mean":
+            if cfg.baseline == "batch_mean":
                 mixed, on = mix_rewards(method=cfg.method, w_outcome=cfg.outcome_weight,
                                         reward=batch.reward, has_reward=batch.has_reward,
                                         outcome=batch.outcome, has_outcome=batch.has_outcome)

@@ -100,3 +100,30 @@ def test_v3_asks_for_verdict_and_hint_in_one_prompt() -> None:
     P.check_version("v1")
     with pytest.raises(FileNotFoundError):
         P.check_version("v999")
+
+
+def test_an_agent_step_is_shown_beside_what_came_back_and_people_turns_are_unchanged() -> None:
+    """v5 (docs/judge-format.md): a reply with tool calls gets a [STEP] block with the task
+    (the first user message), the last user message when there are more, and the calls; any
+    other reply renders exactly as v4."""
+    task = [{"role": "system", "content": "Use the tools."},
+            {"role": "user", "content": "Where does Femi live?"}]
+    call = {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c0", "type": "function",
+         "function": {"name": "lookup", "arguments": '{"person": "Femi", "attribute": "pet"}'}}]}
+    result = [{"role": "tool", "tool_call_id": "c0", "content": "Femi has a dog."}]
+    assert P.render_judge(P.render_fields(task, call, result), "v5") == (
+        "[STEP]\nuser: Where does Femi live?\n"
+        'assistant: call lookup({"person": "Femi", "attribute": "pet"})\n'
+        "[NEXT]\ntool: Femi has a dog.\n"
+        "Verdict first (1 accepted, -1 corrected, 0 unclear), then the change asked for, "
+        "if any:")
+    nudged = [*task, {"role": "assistant", "content": "Femi lives in Oslo."},
+              {"role": "user", "content": "use the tools"}]
+    assert P.render_fields(nudged, call, result)["step"] == (
+        "[STEP]\nuser: Where does Femi live?\nuser: use the tools\n"
+        'assistant: call lookup({"person": "Femi", "attribute": "pet"})\n')
+    for reply in ({"role": "assistant", "content": "Femi lives in Oslo."}, None):
+        fields = P.render_fields(task, reply, [{"role": "user", "content": "thanks!"}])
+        assert fields["step"] == ""
+        assert P.render_judge(fields, "v5") == P.render_judge(fields, "v4")

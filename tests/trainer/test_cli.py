@@ -97,3 +97,24 @@ def test_the_tiny_world_trains_with_its_recipe_unless_told_otherwise(
     defaults = TrainerSettings()
     assert (got.lr, got.kl_coef, got.batch_size) == (3e-5, defaults.kl_coef,
                                                      defaults.batch_size)
+
+
+def test_personal_adapters_train_against_the_batch_mean_unless_told_otherwise(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reward baseline personal mode was measured with (docs/eval.md) is its default,
+    whether personal mode comes from the flag or the environment; the shared model keeps the
+    raw reward; an explicit setting wins."""
+    from trainer.train import build_parser, resolve_settings
+
+    for name in [k for k in os.environ if k.startswith("CLAWRL_TRAINER__")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("CLAWRL_STATE_DIR", str(tmp_path))
+    model = ["--model", str(PREBUILT_CI)]
+    assert resolve_settings(build_parser().parse_args(model)).trainer.baseline == "none"
+    flag = build_parser().parse_args([*model, "--personal"])
+    assert resolve_settings(flag).trainer.baseline == "batch_mean"
+    monkeypatch.setenv("CLAWRL_TRAINER__PERSONAL", "true")
+    plain = build_parser().parse_args(model)
+    assert resolve_settings(plain).trainer.baseline == "batch_mean"
+    monkeypatch.setenv("CLAWRL_TRAINER__REWARD_BASELINE", "none")
+    assert resolve_settings(plain).trainer.baseline == "none"

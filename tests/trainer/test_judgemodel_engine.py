@@ -18,6 +18,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 import psutil
@@ -29,7 +30,9 @@ from judge.backends import ChatBackend, http_client
 from judge.config import JUDGE_MODEL_SETTINGS, JudgeSettings
 from judge.judgment import cast_votes
 from judge.prompts import render_fields
+from trainer.judgemodel.evaluate import DEV_SEED
 from trainer.judgemodel.model import ADAPTER_DIR, ensure_judge_model
+from trainer.judgemodel.synth import agent_set
 from trainer.world.town import HINTS
 
 REPO = Path(__file__).resolve().parents[2]
@@ -103,16 +106,24 @@ CASES = [
 ]
 
 
-async def judge_cases(url: str) -> list[tuple[int | None, str | None]]:
-    """Each case judged as the worker judges it with the judge model's settings."""
+Turn = tuple[list[dict[str, Any]], dict[str, Any], list[dict[str, Any]]]
+
+
+async def judge_cases(url: str, turns: list[Turn] | None = None
+                      ) -> list[tuple[int | None, str | None]]:
+    """Each case (or each of `turns`: request, reply, next state) judged as the worker judges
+    it with the judge model's settings."""
     settings = JudgeSettings(**JUDGE_MODEL_SETTINGS)
+    if turns is None:
+        turns = [([{"role": "user", "content": question}],
+                  {"role": "assistant", "content": reply},
+                  [{"role": "user", "content": follow_up}])
+                 for question, reply, follow_up, _, _ in CASES]
     out = []
     async with http_client(120, 5, max_connections=8) as client:
         backend = ChatBackend(client, url + "/v1", model=None, api_key=None, concurrency=8)
-        for question, reply, follow_up, _, _ in CASES:
-            fields = render_fields([{"role": "user", "content": question}],
-                                   {"role": "assistant", "content": reply},
-                                   [{"role": "user", "content": follow_up}])
+        for request, reply_message, next_state in turns:
+            fields = render_fields(request, reply_message, next_state)
             prm, hint = await cast_votes(backend, fields, settings, settings.prompt_version)
             out.append((prm.reward, hint.hint))
     return out
@@ -135,6 +146,21 @@ def test_shipped_adapter_judges_through_the_engine(
             assert hint is None, follow_up
         else:
             assert hint in HINTS[pref], (follow_up, hint)
+    # Agent steps about held-out questions (prompt v5 shows the task and the call beside the
+    # result): lookups of what was asked are rated +1 more often than lookups of something
+    # else, whose results are just as true. The stage before v5 rated both +1 (a gap of 0);
+    # `clawrl judge evaluate --agent 200`, whose first 100 steps these are, measured 0.81
+    # against 0.34 (docs/judge.md): the test asks for half of that gap.
+    steps = [ex for ex in agent_set(100, seed=DEV_SEED, heldout=True)
+             if ex.kind in ("tool_ok", "tool_wrong")]
+    verdicts = asyncio.run(judge_cases(url, [(e.request, e.reply, e.next_state)
+                                             for e in steps]))
+    plus = {kind: [r == 1 for e, (r, _) in zip(steps, verdicts, strict=True) if e.kind == kind]
+            for kind in ("tool_ok", "tool_wrong")}
+    right, wrong = (sum(v) / len(v) for v in plus.values())
+    assert min(len(v) for v in plus.values()) >= 25
+    assert right - wrong >= 0.23, (right, wrong)
+    assert all(hint is None for _, hint in verdicts)
 
 
 def test_up_judges_with_the_judge_model_by_default(base_dir: Path, tmp_path: Path,

@@ -95,12 +95,13 @@ def test_targets_match_the_turn(sample: list[JudgeExample]) -> None:
 def test_prompts_are_the_workers_prompts(sample: list[JudgeExample]) -> None:
     """The judge model trains on what the worker sends it at its prompt version: v2, a PRM
     and a hint prompt; v3, one combined prompt answered with the score, then the hint or
-    [NO_HINT] (which the worker's parsers read back from the one answer); v4 (the shipped
-    judge's), the same with the bare score first."""
-    assert PROMPT_VERSION == JUDGE_MODEL_SETTINGS["prompt_version"] == "v4"
+    [NO_HINT] (which the worker's parsers read back from the one answer); v4, the same with
+    the bare score first; v5 (the shipped judge's), v4 with an agent's step beside what came
+    back — for people's turns exactly v4's prompt."""
+    assert PROMPT_VERSION == JUDGE_MODEL_SETTINGS["prompt_version"] == "v5"
     for example in sample[:20]:
         fields = render_fields(example.request, example.reply, example.next_state)
-        assert prompts(example) == prompts(example, "v4")
+        assert prompts(example) == prompts(example, "v5") == prompts(example, "v4")
         (prm, prm_answer), (hint, hint_answer) = prompts(example, "v2")
         assert (prm, hint) == (render_prm(fields, "v2"), render_hint(fields, "v2"))
         assert (prm_answer, hint_answer) == (example.prm_target, example.hint_target)
@@ -143,8 +144,18 @@ def test_agent_steps_are_judged_by_what_came_back() -> None:
         assert e.label == AGENT_LABELS[e.kind] and e.hint is None
         role = e.next_state[0]["role"]
         assert role == ("user" if e.kind == "nudge" else "tool")
-        if e.kind == "tool_ok":  # the result names the asked fact's value
-            q = world.find(e.request[-1]["content"])
-            assert q is not None and world.answer(q) in e.next_state[0]["content"]
+        q = next(x for x in world.train if x.text.lower() == e.request[0]["content"].lower())
+        if e.kind in ("tool_ok", "tool_wrong"):  # a true result, of the call it made
+            call = e.reply["tool_calls"][0]["function"]["arguments"]
+            args = json.loads(call) if isinstance(call, str) else call
+            asked = (args["person"], args["attribute"]) == (q.name, q.attr)
+            assert asked == (e.kind == "tool_ok"), e
+            value = world.facts[args["person"]][args["attribute"]]
+            assert value in e.next_state[0]["content"]
+            # The judge sees the task and the call beside the result (prompt v5).
+            step = render_fields(e.request, e.reply, e.next_state)["step"]
+            assert step.startswith(f"[STEP]\nuser: {e.request[0]['content']}\n")
+            assert f'"attribute": "{args["attribute"]}"' in step or \
+                f'"attribute":"{args["attribute"]}"' in step
     prompt, answer = prompts(steps[0])[0]
     assert answer in ("1 [NO_HINT]", "-1 [NO_HINT]")

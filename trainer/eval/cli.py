@@ -108,7 +108,8 @@ def parse_args(argv: list[str]) -> EvalConfig:
     p.add_argument("--kl-coef", type=float, default=EvalConfig.kl_coef)
     p.add_argument("--reward-baseline", choices=("none", "batch_mean"), default=None,
                    help="subtract the batch's mean reward from each sample's (the trainer's "
-                        "reward_baseline; default none, --track toolcall: "
+                        "reward_baseline; default: the trainer's, batch_mean for --personal's "
+                        f"adapters and none for the shared model; --track toolcall: "
                         f"{TOOLCALL_BASELINE})")
     p.add_argument("--batch-size", type=int, default=None,
                    help=f"samples per version, per user with --personal (default "
@@ -139,8 +140,8 @@ def parse_args(argv: list[str]) -> EvalConfig:
                          "--prefs, --followups")
     if args.lr is None:
         args.lr = TOOLCALL_LR if toolcall else EvalConfig.lr
-    if args.reward_baseline is None:
-        args.reward_baseline = TOOLCALL_BASELINE if toolcall else EvalConfig.reward_baseline
+    if args.reward_baseline is None and toolcall:
+        args.reward_baseline = TOOLCALL_BASELINE
     if toolcall and args.proxy_url:
         raise SystemExit("clawrl eval: --track toolcall starts its own stacks (no --proxy-url)")
     if args.methods is None:

@@ -65,7 +65,9 @@ class EvalConfig:
     # `personal`: the adapters' learning rate (docs/eval.md "One adapter per user").
     adapter_lr: float = float(TINYWORLD_RECIPE["adapter_lr"])
     kl_coef: float = float(TINYWORLD_RECIPE["kl_coef"])
-    reward_baseline: str = "none"  # the trainer's `reward_baseline`
+    # The trainer's `reward_baseline`; None: the trainer's default (batch_mean for personal
+    # adapters, none for the shared model).
+    reward_baseline: str | None = None
     batch_size: int = int(TINYWORLD_RECIPE["batch_size"])
     round_timeout_s: float = 900.0
     engine_threads: int = 1
@@ -104,7 +106,6 @@ def stack_env(config: EvalConfig, method: str) -> dict[str, str]:
                                                 * config.users_per_pref)),
            "CLAWRL_TRAINER__METHOD": trainer_method(method), "CLAWRL_TRAINER__LR": str(config.lr),
            "CLAWRL_TRAINER__KL_COEF": str(config.kl_coef),
-           "CLAWRL_TRAINER__REWARD_BASELINE": config.reward_baseline,
            "CLAWRL_TRAINER__BATCH_SIZE": str(batch),
            "CLAWRL_TRAINER__MICRO_BATCH_SIZE": str(min(8, batch)),
            # Full batches, normally: the eval chats until one is ready (one version per
@@ -113,6 +114,8 @@ def stack_env(config: EvalConfig, method: str) -> dict[str, str]:
            # about the time `max_chats` waves of chat take.
            "CLAWRL_TRAINER__MAX_WAIT_S": str(PARTIAL_AFTER_S), "CLAWRL_TRAINER__POLL_S": "0.5",
            "CLAWRL_TRAINER__SEED": str(config.seed)}
+    if config.reward_baseline is not None:
+        env["CLAWRL_TRAINER__REWARD_BASELINE"] = config.reward_baseline
     if method in TRACK_METHODS:
         env["CLAWRL_TRAINER__OUTCOME_WEIGHT"] = str(TRACK_METHODS[method])
         # A step's sample is written when the next request arrives; its episode's outcome

@@ -76,9 +76,9 @@ class AgentStage:
     user asking for tools) mixed with a replay of the first stage's own turns, so what it
     learned about people stays."""
 
-    agent_turns: int = 400
+    agent_turns: int = 1000
     replay_turns: int = 600  # drawn from the first stage's training set
-    epochs: int = 2
+    epochs: int = 3
     lr: float = 5e-4
     seed: int = 0
 
@@ -285,7 +285,8 @@ def build_adapter(state_dir: Path, cfg: BuildConfig, out: Path = ADAPTER_DIR,
         "final_loss": round(sum(losses[-20:]) / len(losses[-20:]), 4), "config": asdict(cfg)}
     if stage is not None:  # the first stage's figures stay, this one's beside them
         figures = {**first, "agent_stage": {**{k: figures[k] for k in (
-            "examples", "steps", "train_s", "cache_s", "final_loss")}, "config": asdict(stage)}}
+            "examples", "steps", "train_s", "cache_s", "final_loss")},
+            "config": {**asdict(stage), "prompt_version": cfg.prompt_version}}}
     (tmp / "build.json").write_text(json.dumps(figures, indent=1) + "\n", encoding="utf-8")
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)

@@ -47,8 +47,9 @@ def main(argv: list[str]) -> int:
                    help="judge prompts to train on (judge/templates/)")
     b.add_argument("--agent-stage", action="store_true",
                    help="train the adapter in --out (default: shipped) further on agent "
-                        "steps (tool results, tool errors, requests to use tools) with a "
-                        "replay of its own turns (~10 min)")
+                        "steps (lookups of what was asked and of something else, tool "
+                        "errors, requests to use tools) with a replay of its own turns "
+                        "(~15 min)")
     e = sub.add_parser("evaluate", help="held-out agreement, hints and latency, through "
                                          "the embedded engine and the judge's code")
     e.add_argument("--state-dir", default=default_state)
@@ -64,6 +65,9 @@ def main(argv: list[str]) -> int:
     e.add_argument("--json", type=Path, default=None, help="also write the figures here")
     e.add_argument("--dev", type=int, default=0, metavar="N",
                    help="N synthetic dev turns instead of the held-out set (for choices)")
+    e.add_argument("--agent", type=int, default=0, metavar="N",
+                   help="N agent steps about the tiny world's held-out questions instead: "
+                        "lookups of what was asked, of something else, tool errors, nudges")
     e.add_argument("--prm-mode", choices=("sample", "logprob"), default=None)
     e.add_argument("--prompt-version", default=None)
     e.add_argument("--hint-votes", type=int, default=None)
@@ -115,7 +119,8 @@ def main(argv: list[str]) -> int:
             with sigterm_as_interrupt():  # the engine child is stopped on SIGTERM too
                 report = evaluate(state, limit=args.limit, votes=args.votes, port=args.port,
                                   threads=args.threads, dtype=args.dtype, adapter=args.adapter,
-                                  dev=args.dev, speculative=args.speculative,
+                                  dev=args.dev, agent=args.agent,
+                                  speculative=args.speculative,
                                   overrides={k: v for k, v in chosen.items() if v is not None})
         except KeyboardInterrupt:
             print("clawrl judge evaluate: stopped", file=sys.stderr)

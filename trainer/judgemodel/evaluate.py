@@ -47,7 +47,13 @@ from trainer.judgemodel.model import (
     SPECULATIVE_FLAGS,
     ensure_judge_model,
 )
-from trainer.judgemodel.synth import iter_examples, normalize, styled_reply, training_set
+from trainer.judgemodel.synth import (
+    agent_set,
+    iter_examples,
+    normalize,
+    styled_reply,
+    training_set,
+)
 from trainer.world.town import HINTS, Style, World, fact_sentence, render_reply, wrong_world
 
 HELDOUT = Path(__file__).resolve().parent / "data" / "heldout.jsonl"
@@ -122,6 +128,18 @@ def dev_cases(n: int, world: World) -> list[Case]:
         if len(cases) == n:
             return cases
     raise AssertionError("unreachable: the stream is endless")
+
+
+def agent_cases(n: int) -> list[Case]:
+    """`n` agent steps (synth.py `agent_set`) about the tiny world's held-out questions, from
+    a seed no build uses: a lookup of what was asked (+1), of something else (−1), a tool's
+    error (−1), a request to use the tools (−1)."""
+    cases = []
+    for ex in agent_set(n, seed=DEV_SEED, heldout=True):
+        row = {"kind": ex.kind, "label": "praise" if ex.label == 1 else "correction",
+               "preference": None, "text": ex.template}
+        cases.append(Case(row, ex.request, ex.reply, ex.next_state, ex.label, None))
+    return cases
 
 
 def hint_preference(hint: str | None) -> str | None:
@@ -216,13 +234,16 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
 def evaluate(state_dir: Path, *, limit: int | None = None, votes: int = 3, port: int = 30071,
              threads: int = 1, dtype: str = JUDGE_DTYPE, adapter: Path | None = None,
              seed: int = 0, overrides: dict[str, Any] | None = None, dev: int = 0,
-             speculative: bool = True) -> dict[str, Any]:
+             speculative: bool = True, agent: int = 0) -> dict[str, Any]:
     model = ensure_judge_model(state_dir, adapter or ADAPTER_DIR)
     world = World.build(0)
     rng = random.Random(f"judge-eval-{seed}")
-    if dev:
-        cases = dev_cases(dev, world)
+    if agent:
+        cases = agent_cases(agent)
         rows: list[Any] = cases
+    elif dev:
+        cases = dev_cases(dev, world)
+        rows = cases
     else:
         rows = stratified(load_heldout(), limit, seed)
         cases = [make_case(world, row, rng) for row in rows]
@@ -240,7 +261,7 @@ def evaluate(state_dir: Path, *, limit: int | None = None, votes: int = 3, port:
             proc.kill()
     how = {k: getattr(settings, k) for k in ("prm_mode", "votes", "temperature", "hint_votes",
                                                "hint_temperature")}
-    return {"set": "dev" if dev else "heldout", "rows": len(rows), "settings": how,
+    return {"set": "agent" if agent else "dev" if dev else "heldout", "rows": len(rows), "settings": how,
             "threads": threads, "dtype": dtype, "speculative": speculative,
             "summary": summarize(results), "targets": TARGETS,
             "misses": [r for r in results if r["reward"] != r["expected"]

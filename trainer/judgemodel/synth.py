@@ -16,6 +16,7 @@ compares with the held-out and simulated-user texts.
 
 from __future__ import annotations
 
+import json
 import random
 import re
 from collections.abc import Iterator
@@ -436,14 +437,18 @@ def normalize(text: str) -> str:
 
 
 # --- agent turns ----------------------------------------------------------------------------
-# An agent's step is judged by what came back: a tool's result (progress: +1), a tool's
-# error (−1), or the user telling it to use its tools (−1). No hint: the policy has no
-# canonical wording for these. The results are written in several shapes (a sentence, a
-# key/value line, JSON, a shell's exit code and output) so the judge learns "the tool
-# answered" rather than one environment's format.
+# An agent's step is judged by what came back, beside what it was asked and what it called
+# (prompt v5's `[STEP]` block, judge/prompts.py `render_step`): the result of the call the
+# question needed (progress: +1), the result of a call about something else — another
+# attribute, another person — (−1: true, but not what was asked), a tool's error (−1), or
+# the user telling it to use its tools (−1). No hint: the policy has no canonical wording for
+# these. The results are written in several shapes (a sentence, a key/value line, JSON, a
+# shell's exit code and output) so the judge learns "the tool answered what was asked"
+# rather than one environment's format; a right and a wrong call come back in the same
+# shapes, so only the step tells them apart.
 
-AGENT_MIX = {"tool_ok": 0.5, "tool_error": 0.3, "nudge": 0.2}
-AGENT_LABELS = {"tool_ok": 1, "tool_error": -1, "nudge": -1}
+AGENT_MIX = {"tool_ok": 0.35, "tool_wrong": 0.35, "tool_error": 0.15, "nudge": 0.15}
+AGENT_LABELS = {"tool_ok": 1, "tool_wrong": -1, "tool_error": -1, "nudge": -1}
 TOOL_ERRORS = (
     "error: no person named {name!r} in the records", "error: unknown attribute {attr!r}",
     "error: the arguments are not a JSON object", "error: unknown tool {tool!r}",
@@ -481,16 +486,39 @@ def tool_result(world: World, q: Question, rng: random.Random) -> str:
     return f'{{"result": "{value}", "ok": true}}'
 
 
-def agent_example(world: World, rng: random.Random, kind: str) -> JudgeExample:
-    """One judged agent step of `kind` (AGENT_MIX) on `world`."""
-    q = rng.choice(world.train)
-    request: list[Message] = [{"role": "user", "content": q.text}]
-    args = {"person": q.name, "attribute": q.attr}
-    call = {"id": "call_0", "type": "function",
+def _lookup_call(person: str, attribute: str, rng: random.Random) -> Message:
+    """A lookup call, its arguments a JSON string as an engine records them, or an object."""
+    args: Any = {"person": person, "attribute": attribute}
+    if rng.random() < 0.7:
+        args = json.dumps(args)
+    return {"id": "call_0", "type": "function",
             "function": {"name": "lookup", "arguments": args}}
-    reply: Message = {"role": "assistant", "content": "", "tool_calls": [call]}
-    if kind == "tool_ok":
-        text = tool_result(world, q, rng)
+
+
+def _wrong_target(world: World, q: Question, rng: random.Random) -> Question:
+    """The same question about another attribute (mostly) or another person."""
+    if rng.random() < 0.7:
+        attr = rng.choice([a for a in world.facts[q.name] if a != q.attr])
+        return Question(q.name, attr, 0)
+    return Question(rng.choice([n for n in world.facts if n != q.name]), q.attr, 0)
+
+
+def agent_example(world: World, rng: random.Random, kind: str,
+                  questions: tuple[Question, ...] | None = None) -> JudgeExample:
+    """One judged agent step of `kind` (AGENT_MIX) on `world`, about one of `questions`
+    (default: the world's held-in ones; `clawrl judge evaluate --agent` asks held-out ones)."""
+    q = rng.choice(questions or world.train)
+    asked = q.text.lower() if rng.random() < 0.2 else q.text
+    request: list[Message] = [{"role": "user", "content": asked}]
+    if rng.random() < 0.15:  # the agent first answered in text and was told to use the tools
+        request += [{"role": "assistant", "content": render_reply(world, q, Style.random(rng),
+                                                                  rng)},
+                    {"role": "user", "content": rng.choice(NUDGES)}]
+    called = _wrong_target(world, q, rng) if kind == "tool_wrong" else q
+    reply: Message = {"role": "assistant", "content": "",
+                      "tool_calls": [_lookup_call(called.name, called.attr, rng)]}
+    if kind in ("tool_ok", "tool_wrong"):
+        text = tool_result(world, called, rng)
         next_state: list[Message] = [{"role": "tool", "tool_call_id": "call_0",
                                       "content": text}]
     elif kind == "tool_error":
@@ -508,9 +536,13 @@ def agent_example(world: World, rng: random.Random, kind: str) -> JudgeExample:
                         None)
 
 
-def agent_set(n: int, seed: int = 0, world_seed: int = 0) -> list[JudgeExample]:
-    """`n` judged agent steps, kinds drawn by AGENT_MIX (a stream of its own)."""
+def agent_set(n: int, seed: int = 0, world_seed: int = 0,
+              heldout: bool = False) -> list[JudgeExample]:
+    """`n` judged agent steps, kinds drawn by AGENT_MIX (a stream of its own); `heldout`:
+    about the world's held-out questions (phrasings of a person's fact no build trains on)."""
     world = World.build(world_seed)
     rng = random.Random(f"judge-agent-{seed}")
     kinds, weights = list(AGENT_MIX), list(AGENT_MIX.values())
-    return [agent_example(world, rng, rng.choices(kinds, weights)[0]) for _ in range(n)]
+    questions = world.heldout if heldout else world.train
+    return [agent_example(world, rng, rng.choices(kinds, weights)[0], questions)
+            for _ in range(n)]
