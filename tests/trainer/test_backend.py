@@ -89,6 +89,33 @@ def test_gradient_accumulation_equals_one_big_batch(tiny_model_dir: Path) -> Non
     assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
 
 
+def test_mini_batches_are_that_many_optimizer_steps_the_first_on_policy(
+        tiny_model_dir: Path) -> None:
+    """mini_batches=2: two steps on halves of the batch. The second sees a policy the first
+    moved (ratio off 1) and moves the weights past a one-step run on the first half alone;
+    epochs=2 repeats the pass."""
+    two = backend(tiny_model_dir, mini_batches=2)
+    one = backend(tiny_model_dir)
+    batch = on_policy_batch(two, [1, -1, 1, -1])
+    first_half = batch.micro_batches(2)[0]
+    one.train_step(first_half)
+    after_first_half = params(one)
+    stats = two.train_step(batch)
+    assert stats.status == "ok" and stats.extra == {"updates": 2, "updates_skipped": 0}
+    assert stats.num_tokens == batch.num_tokens
+    assert stats.abs_log_ratio_max is not None and stats.abs_log_ratio_max > 1e-4
+    after = params(two)
+    assert any(not torch.allclose(after[k], after_first_half[k], atol=1e-6) for k in after)
+
+    four = backend(tiny_model_dir, mini_batches=2, epochs=2)
+    assert four.train_step(on_policy_batch(four, [1, -1, 1, -1])).extra["updates"] == 4
+
+
+def test_several_steps_per_batch_need_the_torch_backend() -> None:
+    with pytest.raises(ValueError, match="torch backend"):
+        TrainerSettings(backend="megatron", mini_batches=2)
+
+
 def test_export_writes_a_loadable_version_and_refuses_overwrite(
         tiny_model_dir: Path, tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM

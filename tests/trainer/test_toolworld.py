@@ -136,6 +136,31 @@ def test_looking_up_then_answering_succeeds_and_nothing_else_does() -> None:
     assert never.outcome() == -1.0 and never.first_move == "text"
 
 
+def test_a_success_in_more_replies_is_worth_less_but_still_a_success() -> None:
+    """Lookup + answer is +1; each reply more costs 0.25 (a nudged text reply, a lookup of
+    the wrong attribute first), never below 0.25; one reply with both calls is +1."""
+    q = question()
+    right = {"person": q.name, "attribute": q.attr}
+    wrong = {"person": q.name, "attribute": next(a for a in WORLD.facts[q.name] if a != q.attr)}
+    answer = call("answer", {"text": WORLD.answer(q)}, "c9")
+
+    def outcome(*replies: Any) -> float:
+        ep = ToolEpisode(WORLD, q)
+        for r in replies:
+            ep.step(r)
+        return ep.outcome()
+
+    assert outcome(reply(call("lookup", right)), reply(answer)) == 1.0
+    assert outcome(reply(content="hm"), reply(call("lookup", right)), reply(answer)) == 0.75
+    assert outcome(reply(call("lookup", wrong)), reply(call("lookup", right)),
+                   reply(answer)) == 0.75
+    assert outcome(reply(content="a"), reply(content="b"), reply(call("lookup", right)),
+                   reply(answer)) == 0.5
+    assert outcome(*[reply(content="x")] * 6, reply(call("lookup", right)),
+                   reply(answer)) == 0.25
+    assert outcome(reply(call("lookup", right), answer)) == 1.0
+
+
 def test_bad_calls_come_back_as_tool_errors() -> None:
     ep = ToolEpisode(WORLD, question())
     messages, done = ep.step(reply(call("search", {"q": "x"}), call("lookup", "{not json",

@@ -130,6 +130,42 @@ class TorchBackend:
 
     # -- the step ----------------------------------------------------------------------------
     def train_step(self, batch: Batch) -> StepStats:
+        """One version's training on a claimed batch: `epochs` passes over it, each in
+        `mini_batches` optimizer steps on a slice of it (1 and 1: one step on the whole
+        batch). After the first step the policy has moved from the one that sampled the
+        batch; the ratio and its clip range (trainer/loss.py) bound how far the later steps
+        go, as in PPO. A non-finite step is dropped (its gradients, not the earlier steps);
+        the version is 'skipped' only when every step was."""
+        cfg = self.cfg
+        if cfg.mini_batches == 1 and cfg.epochs == 1:
+            return self._update(batch)
+        started = time.perf_counter()
+        parts = batch.micro_batches(-(-batch.size // cfg.mini_batches))
+        done = [self._update(part) for _ in range(cfg.epochs) for part in parts]
+        ok = [d for d in done if d.status == "ok"]
+        if not ok:
+            return StepStats(status="skipped", num_samples=batch.size,
+                             num_tokens=int(signal_mask(cfg, batch).sum()),
+                             seconds=time.perf_counter() - started, reason=done[0].reason)
+        tokens = sum(d.num_tokens for d in ok) or 1
+
+        def weighted(name: str) -> float | None:
+            values = [(getattr(d, name), d.num_tokens) for d in ok]
+            if any(v is None for v, _ in values):
+                return None
+            return float(sum(v * n for v, n in values)) / tokens
+
+        return StepStats(
+            status="ok", num_samples=batch.size, num_tokens=int(signal_mask(cfg, batch).sum()),
+            seconds=time.perf_counter() - started, loss=sum(d.loss or 0.0 for d in ok) / len(ok),
+            pg_loss=weighted("pg_loss"), kl=weighted("kl"), entropy=weighted("entropy"),
+            ratio_mean=weighted("ratio_mean"), clip_frac=weighted("clip_frac"),
+            abs_log_ratio_max=max(d.abs_log_ratio_max or 0.0 for d in ok),
+            grad_norm=max(d.grad_norm or 0.0 for d in ok),
+            extra={"updates": len(ok), "updates_skipped": len(done) - len(ok)})
+
+    def _update(self, batch: Batch) -> StepStats:
+        """One optimizer step on `batch` (gradient accumulation over its micro batches)."""
         model, opt = self._model(), self.optimizer
         assert opt is not None
         started = time.perf_counter()

@@ -56,6 +56,7 @@ from trainer.eval.config import (
     TOOLCALL_BASELINE,
     TOOLCALL_LR,
     TOOLCALL_METHODS,
+    TOOLCALL_MINI_BATCHES,
     TRACKS,
     EvalConfig,
 )
@@ -106,6 +107,10 @@ def parse_args(argv: list[str]) -> EvalConfig:
     p.add_argument("--adapter-lr", type=float, default=EvalConfig.adapter_lr,
                    help="--personal: the per-user adapters' learning rate")
     p.add_argument("--kl-coef", type=float, default=EvalConfig.kl_coef)
+    p.add_argument("--mini-batches", type=int, default=None,
+                   help="optimizer steps per version, each on a slice of the batch (the "
+                        "trainer's mini_batches; default 1, --track toolcall: "
+                        f"{TOOLCALL_MINI_BATCHES})")
     p.add_argument("--reward-baseline", choices=("none", "batch_mean"), default=None,
                    help="subtract the batch's mean reward from each sample's (the trainer's "
                         "reward_baseline; default: the trainer's, batch_mean for --personal's "
@@ -142,6 +147,8 @@ def parse_args(argv: list[str]) -> EvalConfig:
         args.lr = TOOLCALL_LR if toolcall else EvalConfig.lr
     if args.reward_baseline is None and toolcall:
         args.reward_baseline = TOOLCALL_BASELINE
+    if args.mini_batches is None:
+        args.mini_batches = TOOLCALL_MINI_BATCHES if toolcall else 1
     if toolcall and args.proxy_url:
         raise SystemExit("clawrl eval: --track toolcall starts its own stacks (no --proxy-url)")
     if args.methods is None:
@@ -184,9 +191,9 @@ def parse_args(argv: list[str]) -> EvalConfig:
     if bool(args.proxy_url) != bool(args.engine_url):
         raise SystemExit("clawrl eval: --proxy-url and --engine-url go together")
     if min(args.rounds, args.sessions, args.probes, args.users_per_pref, args.batch_size,
-           args.parallel) < 1:
+           args.parallel, args.mini_batches) < 1:
         raise SystemExit("clawrl eval: --rounds, --sessions, --parallel, --probes, "
-                         "--users-per-pref and --batch-size must be >= 1")
+                         "--users-per-pref, --batch-size and --mini-batches must be >= 1")
     state = load_settings().state_dir
     model = args.model or state / "models" / ("tinyworld-tools" if toolcall else
                                               "tinyworld-ci" if args.small else "tinyworld")
@@ -196,7 +203,8 @@ def parse_args(argv: list[str]) -> EvalConfig:
                       sessions=args.sessions, parallel=args.parallel, probes=args.probes,
                       seed=seeds[0], seeds=seeds,
                       lr=args.lr, adapter_lr=args.adapter_lr, kl_coef=args.kl_coef,
-                      reward_baseline=args.reward_baseline, batch_size=args.batch_size,
+                      reward_baseline=args.reward_baseline,
+                      mini_batches=args.mini_batches, batch_size=args.batch_size,
                       round_timeout_s=args.round_timeout, proxy_url=args.proxy_url,
                       keep_db=args.keep_db, followups=args.followups,
                       engine_url=args.engine_url, judge_engine=args.judge_engine,

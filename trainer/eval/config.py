@@ -25,6 +25,7 @@ TOOLCALL_METHODS = (*TRACK_METHODS, "none")
 # 10-30 points, at 2e-4 they held (0.92-0.98) and success went highest (0.53 -> 0.84).
 TOOLCALL_LR = 2e-4
 TOOLCALL_BASELINE = "batch_mean"
+TOOLCALL_MINI_BATCHES = 4
 SMALL_ROUNDS = 4  # `--small`: a CI-sized run
 SMALL_BATCH = 32  # `--small` has one user: half the chat per version
 PARTIAL_AFTER_S = 45
@@ -68,6 +69,7 @@ class EvalConfig:
     # The trainer's `reward_baseline`; None: the trainer's default (batch_mean for personal
     # adapters, none for the shared model).
     reward_baseline: str | None = None
+    mini_batches: int = 1  # the trainer's optimizer steps per version (`mini_batches`)
     batch_size: int = int(TINYWORLD_RECIPE["batch_size"])
     round_timeout_s: float = 900.0
     engine_threads: int = 1
@@ -114,6 +116,8 @@ def stack_env(config: EvalConfig, method: str) -> dict[str, str]:
            # about the time `max_chats` waves of chat take.
            "CLAWRL_TRAINER__MAX_WAIT_S": str(PARTIAL_AFTER_S), "CLAWRL_TRAINER__POLL_S": "0.5",
            "CLAWRL_TRAINER__SEED": str(config.seed)}
+    if config.mini_batches != 1:
+        env["CLAWRL_TRAINER__MINI_BATCHES"] = str(config.mini_batches)
     if config.reward_baseline is not None:
         env["CLAWRL_TRAINER__REWARD_BASELINE"] = config.reward_baseline
     if method in TRACK_METHODS:

@@ -39,9 +39,11 @@ async def run_rounds(config: EvalConfig, method: str, proxy_url: str, db_url: st
         for i, pref in enumerate(p for p in config.prefs for _ in range(config.users_per_pref)):
             name = f"sim-{i}-{pref}"
             await admin.ensure_user(db, name)
-            # Unlimited (rate_limit_rpm=0): one simulated user stands for a crowd; the probes
-            # alone are `probes` requests at once, far over a person's per-minute limit.
-            key = await admin.create_key(db, name, name="clawrl eval", rate_limit_rpm=0)
+            # Unlimited (0): one simulated user stands for a crowd; the probes alone are
+            # `probes` requests at once, over a person's per-minute and in-flight limits
+            # (with --probes 128 the in-flight default of 64 answered 429).
+            key = await admin.create_key(db, name, name="clawrl eval", rate_limit_rpm=0,
+                                         max_concurrent=0)
             client = AsyncOpenAI(base_url=f"{proxy_url}/v1", api_key=key.secret,
                                  max_retries=2, timeout=600.0)
             users.append(SimUser(name, pref, client, random.Random(f"user-{config.seed}-{i}"),

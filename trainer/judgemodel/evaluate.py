@@ -4,7 +4,7 @@ The merged judge (`<state_dir>/models/judge`) is served by the embedded engine
 (`clawrl engine`, a subprocess, over HTTP), and every turn is judged by the judge worker's
 own code, `judge.judgment.cast_votes` through `judge.backends.ChatBackend`, as
 `judge.judgment.run_judges` calls it, with the judge model's settings
-(`judge.config.JUDGE_MODEL_SETTINGS`: prompt v4, one greedy answer per turn).
+(`judge.config.JUDGE_MODEL_SETTINGS`: prompt v5, one greedy answer per turn).
 
 The held-out set (`data/heldout.jsonl`, written apart from the training phrasings) is read
 here and nowhere else. Each row (kind, label, preference, text with `{question}` / `{fact}`)

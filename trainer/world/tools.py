@@ -108,6 +108,17 @@ class Attempt:
     looked_up: set[tuple[str, str]] = field(default_factory=set)  # (person, attribute) found
     answer: str | None = None  # the `answer` tool's text, once called
     answered_after_lookup: bool = False  # the asked fact was looked up before `answer`
+    replies: int = 0  # the agent's replies (steps) so far
+
+
+# A success in the fewest replies (lookup, then answer) is worth +1; each reply more costs
+# STEP_COST, down to SUCCESS_FLOOR (still a success: > 0). Without it the outcome credits a
+# wasted step — a plain-text reply that earns a nudge, a lookup of the wrong attribute before
+# the right one — exactly as much as the steps that solved the task, and training on the
+# outcome alone drifted into both (docs/eval.md, "The tool-call track").
+FEWEST_REPLIES = 2
+STEP_COST = 0.25
+SUCCESS_FLOOR = 0.25
 
 
 def states_fact(world: World, question: Question, text: str) -> bool:
@@ -117,10 +128,15 @@ def states_fact(world: World, question: Question, text: str) -> bool:
 
 
 def verify(world: World, question: Question, attempt: Attempt) -> float:
-    """+1 when the asked fact was looked up before `answer`, whose text states it; else −1."""
+    """A success — the asked fact looked up before `answer`, whose text states it — is
+    positive: +1 in the fewest replies, less for each reply more (STEP_COST, at least
+    SUCCESS_FLOOR). Anything else is −1."""
     if attempt.answer is None or not attempt.answered_after_lookup:
         return -1.0
-    return 1.0 if states_fact(world, question, attempt.answer) else -1.0
+    if not states_fact(world, question, attempt.answer):
+        return -1.0
+    extra = max(0, attempt.replies - FEWEST_REPLIES)
+    return max(SUCCESS_FLOOR, 1.0 - STEP_COST * extra)
 
 
 class ToolEpisode:
@@ -129,7 +145,8 @@ class ToolEpisode:
     `step(reply)` takes the model's assistant message (OpenAI form) and returns the next state
     and whether the episode is over: a `tool` message per call (`lookup`'s records line or an
     error; `answer` ends the episode), or, for a reply without tool calls, the user's nudge to
-    use the tools. `outcome()` is `verify` of what happened.
+    use the tools. `outcome()` is `verify` of what happened (a success in [SUCCESS_FLOOR, 1],
+    less the more replies it took; −1 otherwise).
     """
 
     def __init__(self, world: World, question: Question, system: bool = True) -> None:
@@ -141,6 +158,7 @@ class ToolEpisode:
             + [{"role": "user", "content": question.text}])
 
     def step(self, reply: Message) -> tuple[list[Message], bool]:
+        self.attempt.replies += 1
         calls = reply.get("tool_calls") or []
         if not self.first_move:
             self.first_move = (str(calls[0].get("function", {}).get("name", "")) or "?"
