@@ -270,6 +270,15 @@ def test_the_toolcall_track_defaults_and_its_methods_settings() -> None:
     assert [e.pop("CLAWRL_TRAINER__OUTCOME_WEIGHT") for e in envs] == ["0.5", "1.0", "0.0"]
     assert [evalconfig.trainer_method(m) for m in config.methods[:3]] == ["rl"] * 3
     assert envs[0] == envs[1] == envs[2]
+    # The track's recipe has the batch-mean baseline; the chat track leaves it to the
+    # trainer (its own default). Several steps per version only when asked for.
+    assert envs[0]["CLAWRL_TRAINER__REWARD_BASELINE"] == evalconfig.TOOLCALL_BASELINE
+    chat = evalconfig.stack_env(cli.parse_args([]), "combine")
+    assert "CLAWRL_TRAINER__REWARD_BASELINE" not in chat
+    assert "CLAWRL_TRAINER__MINI_BATCHES" not in chat
+    steps = evalconfig.stack_env(cli.parse_args(["--track", "toolcall", "--mini-batches",
+                                                 "4"]), "outcome")
+    assert steps["CLAWRL_TRAINER__MINI_BATCHES"] == "4"
 
 
 def test_defaults_and_the_small_run() -> None:
