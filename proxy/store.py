@@ -263,13 +263,16 @@ class TurnWriter:
                 return
 
     async def wait_queued(self, timeout_s: float = 30.0) -> None:
-        """Wait until every turn queued now has left the queue (for a session outcome
-        posted right after the session's last reply, which may be what creates it). Returns
-        at once when nothing is queued; 30 s, because on a loaded machine a batch took over
-        5 s to store and the outcome of a one-step episode was answered 404."""
+        """Wait until every turn queued now is in the database (for a session outcome posted
+        right after the session's last reply, which may be what creates it): out of the
+        queue, and out of the journal where a slow database sent it. Returns at once when
+        nothing is queued or journaled; 30 s, because on a loaded machine a batch took over
+        5 s to store and the outcome of a one-step episode was answered 404 — and so it was,
+        under the full test suite, for turns the writer had journaled while it waited."""
         queued = set(self._pending)
         deadline = time.monotonic() + timeout_s
-        while queued & self._pending and (left := deadline - time.monotonic()) > 0:
+        while (queued & self._pending or self.journal.pending) \
+                and (left := deadline - time.monotonic()) > 0:
             try:
                 await asyncio.wait_for(self._batch_done.wait(), left)
             except TimeoutError:
@@ -365,8 +368,7 @@ class TurnWriter:
         log.warning("database slow: %d turns journaled to keep them durable",
                     len(inflight) + len(records),
                     extra={"action": "durable_rescue", "count": len(inflight) + len(records)})
-        self._batch_done.set()
-        self._batch_done = asyncio.Event()
+        self._signal_done()
         return True
 
     # --- storing ------------------------------------------------------------------------------
@@ -376,6 +378,10 @@ class TurnWriter:
         for record in batch:
             self._pending.discard(record.uid)
             self._rescued.discard(record.uid)
+        self._signal_done()
+
+    def _signal_done(self) -> None:
+        """Wake whoever waits for turns to leave the queue or the journal."""
         self._batch_done.set()
         self._batch_done = asyncio.Event()
 
@@ -538,7 +544,9 @@ class TurnWriter:
         if replayed:
             log.warning("replayed %d journaled turns", replayed,
                         extra={"action": "journal_replayed", "count": replayed})
-        return self.journal.refresh() == 0
+        empty = self.journal.refresh() == 0
+        self._signal_done()  # wakes `wait_queued`, which waits for the journal too
+        return empty
 
     async def _replay_segment(self, segment: Any) -> int:
         lines, chunk = 0, []

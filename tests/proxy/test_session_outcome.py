@@ -161,3 +161,40 @@ async def test_analysts_read_outcomes_in_sql(proxy_factory: ProxyFactory, db_url
         assert clawrl(["sql", "--csv", sql]) == 0
         out, err = capsys.readouterr()
         assert err == "" and out.splitlines()[1:] == expected, (sql, out, err)
+
+
+async def test_an_outcome_waits_for_turns_the_writer_journaled(
+        proxy_factory: ProxyFactory, db_url: str, engine_url: str) -> None:
+    """The database stalls (a lock on `turns`) with another turn in flight while an agent's
+    session is served: the writer journals the session's turns to keep them durable. Its
+    outcome, posted then, waits past the turn in flight until the journal is replayed, and
+    finds the session (it was answered 404: the session's turns had left the queue, but for
+    the journal, and the outcome looked as soon as the turn in flight was stored)."""
+    import asyncio
+
+    from proxyharness import turns_locked
+
+    proxy = await proxy_factory(engine_url)
+    writer = proxy.app.state.writer
+    writer.durable_within_s = 0.2  # journal what the database has not taken within 0.2 s
+    _, key = create_user(db_url, "otto")
+    async with httpx.AsyncClient(base_url=proxy.url, timeout=60,
+                                 headers={"Authorization": f"Bearer {key}"}) as http:
+        with turns_locked(db_url):
+            first = await http.post("/v1/chat/completions", json={
+                "model": "tiny", "messages": ASK, "max_tokens": 2})
+            assert first.status_code == 200  # its turn is in flight, stuck on the lock
+            await asyncio.sleep(0.5)
+            session_id, _ = await _episode(proxy, key, "stalled-episode")
+            for _ in range(100):  # the guard journals the session's turns
+                if writer.journal.pending >= 2:
+                    break
+                await asyncio.sleep(0.05)
+            assert writer.journal.pending >= 2
+            posted = asyncio.create_task(http.post("/v1/sessions/stalled-episode/outcome",
+                                                   json={"outcome": 0.5}))
+            await asyncio.sleep(0.5)
+            assert not posted.done()  # waiting for the turns, not answered 404
+        reply = await posted
+    assert reply.status_code == 200, reply.text
+    assert _session(db_url, session_id)[0] == 0.5

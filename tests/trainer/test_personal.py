@@ -60,9 +60,11 @@ def response_logprobs(url: str, lora: str | None, prompt: list[int],
 
 
 def add_user_samples(add_sample: SampleFactory, url: str, user_id: int, n: int,
-                     reward: int) -> list[int]:
-    return [add_sample(user_id=user_id, reward=reward, **rollout(url, PROMPT[: 3 + i % 5]))
-            for i in range(n)]
+                     reward: int | list[int]) -> list[int]:
+    """n samples of the user's; `reward` for all, or a list cycled over them."""
+    rewards = reward if isinstance(reward, list) else [reward]
+    return [add_sample(user_id=user_id, reward=rewards[i % len(rewards)],
+                       **rollout(url, PROMPT[: 3 + i % 5])) for i in range(n)]
 
 
 def personal_settings(tmp_path: Path, db_url: str, url: str, model: Path) -> Any:
@@ -76,8 +78,10 @@ def test_each_user_trains_and_is_served_their_own_adapter_in_turn(
     url = engine_factory(tiny_model_dir)
     ann, ben = new_user(db, "ann"), new_user(db, "ben")
     # Ann is busy (three batches ready), Ben has one batch, written after all of Ann's.
-    ann_ids = add_user_samples(add_sample, url, ann, 12, reward=1)
-    ben_ids = add_user_samples(add_sample, url, ben, 4, reward=-1)
+    # Rewards that differ within each batch: personal mode trains against the batch's mean
+    # reward, so a batch all alike would teach an adapter nothing.
+    ann_ids = add_user_samples(add_sample, url, ann, 12, reward=[1, 1, -1])
+    ben_ids = add_user_samples(add_sample, url, ben, 4, reward=[-1, 1])
     settings = personal_settings(tmp_path, db_url, url, tiny_model_dir)
     assert train_personal(settings, max_steps=4) == 4
 
