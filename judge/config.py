@@ -78,8 +78,9 @@ class JudgeSettings(BaseModel):
 
 # How the judge worker talks to the shipped judge model (`clawrl judge serve`, started by
 # `clawrl up`; trainer/judgemodel/): the prompts it was trained on (v5: one prompt, answered
-# with the score first and then the hint; an agent's step shown beside what came back), the PRM votes drawn from that greedy answer's
-# distribution over its first token, the same answer as the one hint vote (docs/judge.md).
+# with the score first and then the hint; an agent's step shown above what came back), the
+# PRM votes drawn from that greedy answer's distribution over its first token, the same
+# answer as the one hint vote (docs/judge.md).
 JUDGE_MODEL_SETTINGS: dict[str, object] = {
     "prompt_version": "v5", "prm_mode": "logprob", "hint_votes": 1, "hint_temperature": 0.0}
 

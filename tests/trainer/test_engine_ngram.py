@@ -3,11 +3,11 @@
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
 import pytest
 import torch
+from enginerun import run_to_end
 from tokenizers import Tokenizer
 
 from trainer.engine.ngram import NgramDraft
@@ -36,11 +36,7 @@ def test_drafts_follow_the_longest_tail_seen_before() -> None:
 def _generate(scheduler: Scheduler, ids: list[int], **params: object) -> Sequence:
     seq = Sequence(rid="r", input_ids=ids, params=SamplingParams(**params),  # type: ignore[arg-type]
                    return_logprob=True, top_logprobs_num=3)
-    done = threading.Event()
-    seq.notify = lambda: done.set() if seq.finish is not None else None
-    scheduler.submit(seq)
-    assert done.wait(timeout=120)
-    return seq
+    return run_to_end(scheduler, seq, timeout_s=120)
 
 
 def test_speculative_greedy_decoding_writes_what_one_token_per_step_writes() -> None:

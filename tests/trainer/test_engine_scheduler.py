@@ -7,6 +7,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
+from enginerun import run_to_end
 
 from trainer.engine.scheduler import SamplingParams, Scheduler, Sequence, _sample
 
@@ -20,22 +21,15 @@ class BrokenModel(torch.nn.Module):
         raise RuntimeError("boom")
 
 
-def _run(scheduler: Scheduler, seq: Sequence) -> Sequence:
-    done = threading.Event()
-    seq.notify = lambda: done.set() if seq.finish is not None else None
-    scheduler.submit(seq)
-    assert done.wait(timeout=60)
-    return seq
-
-
 def test_a_failing_step_aborts_with_500_and_the_thread_serves_on() -> None:
     scheduler = Scheduler(BrokenModel(), eos_ids={2}, decode=lambda ids: "",
                           weight_version="v0")
     scheduler.start()
     try:
         for i in range(2):
-            seq = _run(scheduler, Sequence(rid=str(i), input_ids=[1, 2, 3],
-                                           params=SamplingParams(max_new_tokens=3)))
+            seq = run_to_end(scheduler, Sequence(rid=str(i), input_ids=[1, 2, 3],
+                                                 params=SamplingParams(max_new_tokens=3)),
+                             timeout_s=60)
             assert seq.finish is not None
             assert seq.finish["type"] == "abort" and seq.finish["status_code"] == 500
             assert "boom" in seq.finish["message"]

@@ -143,9 +143,9 @@ class TorchBackend:
         parts = batch.micro_batches(-(-batch.size // cfg.mini_batches))
         done = [self._update(part) for _ in range(cfg.epochs) for part in parts]
         ok = [d for d in done if d.status == "ok"]
+        num_tokens = int(signal_mask(cfg, batch).sum())
         if not ok:
-            return StepStats(status="skipped", num_samples=batch.size,
-                             num_tokens=int(signal_mask(cfg, batch).sum()),
+            return StepStats(status="skipped", num_samples=batch.size, num_tokens=num_tokens,
                              seconds=time.perf_counter() - started, reason=done[0].reason)
         tokens = sum(d.num_tokens for d in ok) or 1
 
@@ -156,7 +156,7 @@ class TorchBackend:
             return float(sum(v * n for v, n in values)) / tokens
 
         return StepStats(
-            status="ok", num_samples=batch.size, num_tokens=int(signal_mask(cfg, batch).sum()),
+            status="ok", num_samples=batch.size, num_tokens=num_tokens,
             seconds=time.perf_counter() - started, loss=sum(d.loss or 0.0 for d in ok) / len(ok),
             pg_loss=weighted("pg_loss"), kl=weighted("kl"), entropy=weighted("entropy"),
             ratio_mean=weighted("ratio_mean"), clip_frac=weighted("clip_frac"),

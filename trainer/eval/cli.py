@@ -56,7 +56,6 @@ from trainer.eval.config import (
     TOOLCALL_BASELINE,
     TOOLCALL_LR,
     TOOLCALL_METHODS,
-    TOOLCALL_MINI_BATCHES,
     TRACKS,
     EvalConfig,
 )
@@ -107,10 +106,9 @@ def parse_args(argv: list[str]) -> EvalConfig:
     p.add_argument("--adapter-lr", type=float, default=EvalConfig.adapter_lr,
                    help="--personal: the per-user adapters' learning rate")
     p.add_argument("--kl-coef", type=float, default=EvalConfig.kl_coef)
-    p.add_argument("--mini-batches", type=int, default=None,
+    p.add_argument("--mini-batches", type=int, default=EvalConfig.mini_batches,
                    help="optimizer steps per version, each on a slice of the batch (the "
-                        "trainer's mini_batches; default 1, --track toolcall: "
-                        f"{TOOLCALL_MINI_BATCHES})")
+                        "trainer's mini_batches)")
     p.add_argument("--reward-baseline", choices=("none", "batch_mean"), default=None,
                    help="subtract the batch's mean reward from each sample's (the trainer's "
                         "reward_baseline; default: the trainer's, batch_mean for --personal's "
@@ -147,8 +145,6 @@ def parse_args(argv: list[str]) -> EvalConfig:
         args.lr = TOOLCALL_LR if toolcall else EvalConfig.lr
     if args.reward_baseline is None and toolcall:
         args.reward_baseline = TOOLCALL_BASELINE
-    if args.mini_batches is None:
-        args.mini_batches = TOOLCALL_MINI_BATCHES if toolcall else 1
     if toolcall and args.proxy_url:
         raise SystemExit("clawrl eval: --track toolcall starts its own stacks (no --proxy-url)")
     if args.methods is None:

@@ -261,7 +261,8 @@ def evaluate(state_dir: Path, *, limit: int | None = None, votes: int = 3, port:
             proc.kill()
     how = {k: getattr(settings, k) for k in ("prm_mode", "votes", "temperature", "hint_votes",
                                                "hint_temperature")}
-    return {"set": "agent" if agent else "dev" if dev else "heldout", "rows": len(rows), "settings": how,
+    return {"set": "agent" if agent else "dev" if dev else "heldout", "rows": len(rows),
+            "settings": how,
             "threads": threads, "dtype": dtype, "speculative": speculative,
             "summary": summarize(results), "targets": TARGETS,
             "misses": [r for r in results if r["reward"] != r["expected"]

@@ -504,10 +504,9 @@ def _wrong_target(world: World, q: Question, rng: random.Random) -> Question:
 
 
 def agent_example(world: World, rng: random.Random, kind: str,
-                  questions: tuple[Question, ...] | None = None) -> JudgeExample:
-    """One judged agent step of `kind` (AGENT_MIX) on `world`, about one of `questions`
-    (default: the world's held-in ones; `clawrl judge evaluate --agent` asks held-out ones)."""
-    q = rng.choice(questions or world.train)
+                  questions: tuple[Question, ...]) -> JudgeExample:
+    """One judged agent step of `kind` (AGENT_MIX) on `world`, about one of `questions`."""
+    q = rng.choice(questions)
     asked = q.text.lower() if rng.random() < 0.2 else q.text
     request: list[Message] = [{"role": "user", "content": asked}]
     if rng.random() < 0.15:  # the agent first answered in text and was told to use the tools
