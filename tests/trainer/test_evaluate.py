@@ -7,6 +7,7 @@ trainer and engine with the small tiny world model.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import random
@@ -162,12 +163,52 @@ async def test_probe_sends_side_turns_and_scores_first_replies() -> None:
     answers = [world.answer(q) for q in world.heldout[:2]]
     script = ScriptedAssistant([f"it is {answers[0]}.", "I Do Not Know."])
     user = _user(script, "lowercase")
-    result = await user.probe(world, prompts)
+    result = await user.probe(world, prompts, concurrency=1)  # the script answers in order
     assert result.satisfied == 0.5 and result.correct == 0.5
     for headers, body in script.requests:
         assert headers["x-turn-type"] == "side"
         assert len(body["messages"]) == 1
     await user.client.close()
+
+
+def test_probes_past_the_held_out_questions_repeat_each_before_any_thrice() -> None:
+    """`--probes` above the 66 held-out questions asks each again (more sampled replies per
+    question) instead of stopping at 66; every question comes up once per pass."""
+    from collections import Counter
+
+    from trainer.eval.rounds import probe_set
+
+    world = World.build(0)
+    held = [q.text for q in world.heldout]
+    assert probe_set(world, 10, seed=0) == probe_set(world, 10, seed=0)
+    assert len(set(probe_set(world, 10, seed=0))) == 10
+    many = probe_set(world, 2 * len(held) + 5, seed=1)
+    counts = Counter(many)
+    assert len(many) == 2 * len(held) + 5 and set(counts) == set(held)
+    assert sorted(set(counts.values())) == [2, 3] and list(counts.values()).count(3) == 5
+
+
+async def test_probes_keep_at_most_their_concurrency_in_flight() -> None:
+    world = World.build(0)
+    in_flight = peak = 0
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        nonlocal in_flight, peak
+        in_flight += 1
+        peak = max(peak, in_flight)
+        await asyncio.sleep(0.01)
+        in_flight -= 1
+        return httpx.Response(200, json={
+            "id": "c1", "object": "chat.completion", "created": 0, "model": "default",
+            "choices": [{"index": 0, "finish_reason": "stop",
+                         "message": {"role": "assistant", "content": "no idea"}}]})
+
+    client = AsyncOpenAI(base_url="http://proxy.test/v1", api_key="ck-test",
+                         http_client=httpx.AsyncClient(transport=httpx.MockTransport(handler)))
+    user = SimUser("sim-0", "lowercase", client, random.Random(0))
+    result = await user.probe(world, [q.text for q in world.heldout] * 2, concurrency=5)
+    assert len(result.replies) == 2 * len(world.heldout) and peak == 5
+    await client.close()
 
 
 def _rows() -> list[dict[str, Any]]:

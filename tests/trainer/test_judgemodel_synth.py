@@ -3,11 +3,13 @@ from the held-out follow-ups and the simulated users' pool."""
 
 from __future__ import annotations
 
+import difflib
 import itertools
 import json
 import re
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -20,6 +22,7 @@ from trainer.judgemodel.synth import (
     AGENT_LABELS,
     MIX,
     NO_HINT,
+    WRITTEN,
     JudgeExample,
     agent_set,
     iter_examples,
@@ -30,8 +33,10 @@ from trainer.judgemodel.synth import (
 from trainer.world.town import FACT_HINT, HINTS, PREFERENCES, World, satisfies
 
 REPO = Path(__file__).resolve().parents[2]
-HELD_OUT = [REPO / "trainer" / "judgemodel" / "data" / "heldout.jsonl",
-            REPO / "trainer" / "world" / "data" / "sim_followups.jsonl"]
+DATA = REPO / "trainer" / "judgemodel" / "data"
+# Never trained on: the held-out set, the simulated users' pool and the judge's dev set.
+HELD_OUT = [DATA / "heldout.jsonl", REPO / "trainer" / "world" / "data" / "sim_followups.jsonl",
+            DATA / "dev_followups.jsonl"]
 # The two follow-ups quoted in issue 13 (the user the judge failed): never trained on either.
 ISSUE_TEXTS = ["thanks, perfect.", "please answer in lowercase only, no capital letters."]
 
@@ -117,8 +122,9 @@ def test_prompts_are_the_workers_prompts(sample: list[JudgeExample]) -> None:
 
 
 def test_no_held_out_or_simulated_follow_up_is_trained_on() -> None:
-    """Neither the held-out set nor the simulated users' pool (normalized: case, punctuation,
-    emoji, spacing) appears among the training follow-ups, filled or as templates."""
+    """Neither the held-out set, the simulated users' pool nor the dev set (normalized: case,
+    punctuation, emoji, spacing) appears among the training follow-ups, filled or as
+    templates."""
     held = {normalize(json.loads(line)["text"]) for path in HELD_OUT
             for line in path.read_text(encoding="utf-8").splitlines() if line.strip()}
     held |= {normalize(t) for t in ISSUE_TEXTS}
@@ -129,6 +135,40 @@ def test_no_held_out_or_simulated_follow_up_is_trained_on() -> None:
     seen |= {normalize(e.next_state[0]["content"]) for e in train + more}
     overlap = sorted(seen & held)
     assert not overlap, f"{len(overlap)} held-out/simulated follow-ups in the training set"
+
+
+def _rows(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()
+            if line.strip()]
+
+
+def test_the_hand_written_lines_are_trained_on_and_near_no_held_out_line() -> None:
+    """The hand-written training lines (data/train_followups.jsonl) are in the held-out
+    format, cover every kind and preference, make up about `WRITTEN_SHARE` of the training
+    follow-ups, and none is within a difflib ratio of 0.85 of a held-out, simulated-user or
+    dev line (normalized): the lines that were are dropped from the file (data/README.md)."""
+    written = _rows(WRITTEN)
+    kinds = Counter((r["kind"], r["preference"]) for r in written)
+    assert {k for k, _ in kinds} == {"praise", "move_on", "style", "fact"}
+    assert {p for k, p in kinds if k == "style"} == set(PREFERENCES)
+    assert min(kinds.values()) >= 30
+    for r in written:
+        assert r["label"] == ("praise" if r["kind"] in ("praise", "move_on") else "correction")
+        placeholder = {"move_on": "{question}", "fact": "{fact}"}.get(r["kind"])
+        assert placeholder is None or r["text"].count(placeholder) == 1
+    lines = {normalize(r["text"]) for r in written}
+    sample = list(itertools.islice(iter_examples(0), 2000))
+    used = [e for e in sample if e.kind != "neutral"
+            and any(normalize(e.template).startswith(t[:12]) for t in lines)]
+    assert 0.35 < len(used) / len(sample) < 0.65
+    others = [normalize(r["text"]) for path in HELD_OUT for r in _rows(path)]
+    near = 0
+    for line in lines:
+        for other in others:
+            m = difflib.SequenceMatcher(None, line, other)
+            if m.real_quick_ratio() >= 0.85 and m.quick_ratio() >= 0.85 and m.ratio() >= 0.85:
+                near += 1
+    assert near == 0, f"{near} hand-written training lines are near held-out lines"
 
 
 def test_agent_steps_are_judged_by_what_came_back() -> None:

@@ -18,6 +18,18 @@ from trainer.eval.config import CONNECTED, PERSONAL, EvalConfig
 from trainer.world.town import World
 
 
+def probe_set(world: World, n: int, seed: int) -> list[str]:
+    """`n` held-out prompts: each of the world's held-out questions once in a shuffled order,
+    then again, until there are `n` (a prompt asked k times is k sampled replies, so
+    accuracy and satisfaction are measured on `n` replies, not on the 66 questions alone)."""
+    questions = [q.text for q in world.heldout]
+    rng = random.Random(f"probes-{seed}")
+    out: list[str] = []
+    while len(out) < n:
+        out += rng.sample(questions, len(questions))
+    return out[:n]
+
+
 async def run_rounds(config: EvalConfig, method: str, proxy_url: str, db_url: str,
                      engine_url: str, on_round: Any) -> None:
     """Create the users, then chat / wait for training / probe, round after round; each
@@ -31,8 +43,7 @@ async def run_rounds(config: EvalConfig, method: str, proxy_url: str, db_url: st
     says = phrasings(config.followups)
 
     world = World.build(config.world_seed)
-    probe_prompts = random.Random(f"probes-{config.seed}").sample(
-        [q.text for q in world.heldout], min(config.probes, len(world.heldout)))
+    probe_prompts = probe_set(world, config.probes, config.seed)
     db = create_async(db_url)
     users: list[SimUser] = []
     try:

@@ -65,6 +65,9 @@ def main(argv: list[str]) -> int:
     e.add_argument("--json", type=Path, default=None, help="also write the figures here")
     e.add_argument("--dev", type=int, default=0, metavar="N",
                    help="N synthetic dev turns instead of the held-out set (for choices)")
+    e.add_argument("--rows", type=Path, default=None, metavar="FILE",
+                   help="judge these follow-ups (the held-out set's format) instead, e.g. "
+                        "the dev set trainer/judgemodel/data/dev_followups.jsonl")
     e.add_argument("--agent", type=int, default=0, metavar="N",
                    help="N agent steps about the tiny world's held-out questions instead: "
                         "lookups of what was asked, of something else, tool errors, nudges")
@@ -119,7 +122,7 @@ def main(argv: list[str]) -> int:
             with sigterm_as_interrupt():  # the engine child is stopped on SIGTERM too
                 report = evaluate(state, limit=args.limit, votes=args.votes, port=args.port,
                                   threads=args.threads, dtype=args.dtype, adapter=args.adapter,
-                                  dev=args.dev, agent=args.agent,
+                                  dev=args.dev, agent=args.agent, rows_file=args.rows,
                                   speculative=args.speculative,
                                   overrides={k: v for k, v in chosen.items() if v is not None})
         except KeyboardInterrupt:

@@ -57,6 +57,9 @@ from trainer.judgemodel.synth import (
 from trainer.world.town import HINTS, Style, World, fact_sentence, render_reply, wrong_world
 
 HELDOUT = Path(__file__).resolve().parent / "data" / "heldout.jsonl"
+# Follow-ups for choices, in the held-out set's format, written by a third author
+# (data/README.md): what a build is checked on before the held-out set is read once.
+DEV_ROWS = Path(__file__).resolve().parent / "data" / "dev_followups.jsonl"
 DEV_SEED = 7919  # the dev stream's seed; builds train on seed 0
 TARGETS = {"prm": 0.95, "prm_praise": 0.93, "prm_correction": 0.93, "style_hint": 0.90,
            "praise_hint_max": 0.05, "p50_s_max": 1.0}
@@ -234,7 +237,8 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
 def evaluate(state_dir: Path, *, limit: int | None = None, votes: int = 3, port: int = 30071,
              threads: int = 1, dtype: str = JUDGE_DTYPE, adapter: Path | None = None,
              seed: int = 0, overrides: dict[str, Any] | None = None, dev: int = 0,
-             speculative: bool = True, agent: int = 0) -> dict[str, Any]:
+             speculative: bool = True, agent: int = 0,
+             rows_file: Path | None = None) -> dict[str, Any]:
     model = ensure_judge_model(state_dir, adapter or ADAPTER_DIR)
     world = World.build(0)
     rng = random.Random(f"judge-eval-{seed}")
@@ -245,7 +249,7 @@ def evaluate(state_dir: Path, *, limit: int | None = None, votes: int = 3, port:
         cases = dev_cases(dev, world)
         rows = cases
     else:
-        rows = stratified(load_heldout(), limit, seed)
+        rows = stratified(load_heldout(rows_file or HELDOUT), limit, seed)
         cases = [make_case(world, row, rng) for row in rows]
     settings = JudgeSettings(**{**JUDGE_MODEL_SETTINGS, "votes": votes, **(overrides or {})})
     log = state_dir / "logs" / "judge-eval-engine.log"
@@ -261,7 +265,8 @@ def evaluate(state_dir: Path, *, limit: int | None = None, votes: int = 3, port:
             proc.kill()
     how = {k: getattr(settings, k) for k in ("prm_mode", "votes", "temperature", "hint_votes",
                                                "hint_temperature")}
-    return {"set": "agent" if agent else "dev" if dev else "heldout", "rows": len(rows),
+    name = "agent" if agent else "dev" if dev else (rows_file or HELDOUT).stem
+    return {"set": name, "rows": len(rows),
             "settings": how,
             "threads": threads, "dtype": dtype, "speculative": speculative,
             "summary": summarize(results), "targets": TARGETS,

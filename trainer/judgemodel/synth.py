@@ -9,18 +9,25 @@ prompt, and for the hint prompt the tiny world's canonical hint (`HINTS[pref][0]
 
 The follow-ups are built from this module's own phrasing lists (none taken from the corpus,
 the simulated users' pool or the held-out set), combined and perturbed: casing, typos,
-punctuation, emoji, chatter around them, praise before a correction. `template` keeps the
+punctuation, emoji, chatter around them, praise before a correction. Half of them
+(`WRITTEN_SHARE`) are instead hand-written lines (`data/train_followups.jsonl`, written by
+another author than these lists and the held-out set; data/README.md), perturbed the same way:
+the lists' combinations alone taught the judge to name the preference of 0.96 of new
+combinations but of only 0.82 of the held-out set's corrections, written by someone else. `template` keeps the
 follow-up before `{question}` / `{fact}` are filled, which is what the disjointness test
 compares with the held-out and simulated-user texts.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import re
+from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from trainer.world.town import (
@@ -40,6 +47,10 @@ Message = dict[str, Any]
 # Share of each kind of follow-up in the training set.
 MIX = {"praise": 0.30, "move_on": 0.17, "style": 0.36, "fact": 0.14, "neutral": 0.03}
 LABELS = {"praise": 1, "move_on": 1, "style": -1, "fact": -1, "neutral": 0}
+# The hand-written training follow-ups, and the share of praise / moving-on / style / fact
+# follow-ups drawn from them rather than from this module's lists.
+WRITTEN = Path(__file__).resolve().parent / "data" / "train_followups.jsonl"
+WRITTEN_SHARE = 0.5
 NO_HINT = "[NO_HINT]"
 
 # --- praise -------------------------------------------------------------------------------
@@ -320,6 +331,29 @@ def fact_template(rng: random.Random) -> str:
     return _chatter(rng.choice(FACT_FRAMES), rng, 0.08)
 
 
+@functools.cache
+def written_lines() -> dict[tuple[str, str | None], tuple[str, ...]]:
+    """The hand-written follow-ups by (kind, preference)."""
+    out: dict[tuple[str, str | None], list[str]] = defaultdict(list)
+    for line in WRITTEN.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            row = json.loads(line)
+            out[(row["kind"], row["preference"])].append(row["text"])
+    return {key: tuple(texts) for key, texts in out.items()}
+
+
+def follow_up(kind: str, rng: random.Random, preference: str | None = None) -> str:
+    """A follow-up template of `kind` (a style request names `preference`): a hand-written
+    line (`WRITTEN_SHARE` of them) or one built from this module's lists, then perturbed."""
+    if rng.random() < WRITTEN_SHARE:
+        return perturb(rng.choice(written_lines()[(kind, preference)]), rng)
+    if kind == "style":
+        assert preference is not None
+        return perturb(style_template(preference, rng), rng)
+    built = {"praise": praise_template, "move_on": move_on_template, "fact": fact_template}
+    return perturb(built[kind](rng), rng)
+
+
 # --- judged turns -------------------------------------------------------------------------
 
 
@@ -387,23 +421,24 @@ def make_example(world: World, rng: random.Random, kind: str) -> JudgeExample:
         fact = fact_sentence(world, q, rng)
         if rng.random() < 0.3:
             fact = fact[0].lower() + fact[1:] if rng.random() < 0.5 else fact.rstrip(".")
-        template = perturb(fact_template(rng), rng)
+        template = follow_up(kind, rng)
         text = template.replace("{fact}", fact)
         hint = FACT_HINT.format(fact=fact)
     elif kind == "style":
         preference = rng.choice(PREFERENCES)
         reply = styled_reply(world, q, rng, violates=preference)
-        template = perturb(style_template(preference, rng), rng)
+        template = follow_up(kind, rng, preference)
         text = template
         hint = HINTS[preference][0]
     elif kind == "praise":
         praised = rng.choice(PREFERENCES) if rng.random() < 0.12 else None
         reply = styled_reply(world, q, rng, satisfies_pref=praised)
-        template = perturb(praise_template(rng, praised), rng)
+        template = (perturb(praise_template(rng, praised), rng) if praised
+                    else follow_up(kind, rng))
         text = template
     elif kind == "move_on":
         reply = render_reply(world, q, Style.random(rng), rng)
-        template = perturb(move_on_template(rng), rng)
+        template = follow_up(kind, rng)
         text = template.replace("{question}", next_question(world, rng))
     elif kind == "neutral":
         reply = render_reply(world, q, Style.random(rng), rng)

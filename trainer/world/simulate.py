@@ -137,6 +137,9 @@ def phrasings(name: str) -> Phrasings:
     raise ValueError(f"unknown follow-ups {name!r} (corpus, people or issue)")
 
 DONE = {"X-Session-Done": "true"}
+# A user's probe requests in flight at once: what the engine batches, without hundreds of
+# requests queued behind them when --probes is large.
+PROBE_CONCURRENCY = 64
 
 
 @dataclass
@@ -208,11 +211,18 @@ class SimUser:
                 return
             turn = self.says.next_turn(praise, rng)
 
-    async def probe(self, world: World, prompts: list[str]) -> ProbeResult:
+    async def probe(self, world: World, prompts: list[str],
+                    concurrency: int = PROBE_CONCURRENCY) -> ProbeResult:
         """First replies to held-out prompts, as side turns in fresh conversations."""
-        # Concurrent, so the engine batches them (side turns are independent conversations).
-        replies = list(await asyncio.gather(
-            *(self._complete([{"role": "user", "content": p}], SIDE) for p in prompts)))
+        # Concurrent, so the engine batches them (side turns are independent conversations),
+        # at most `concurrency` at once.
+        gate = asyncio.Semaphore(concurrency)
+
+        async def ask(prompt: str) -> str:
+            async with gate:
+                return await self._complete([{"role": "user", "content": prompt}], SIDE)
+
+        replies = list(await asyncio.gather(*(ask(p) for p in prompts)))
         questions = [world.find(p) for p in prompts]
         correct = [q is not None and is_correct(world, q, r)
                    for q, r in zip(questions, replies, strict=True)]
