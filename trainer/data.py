@@ -30,12 +30,23 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
-from sqlalchemy import Table, bindparam, insert, or_, select, text, update
+from sqlalchemy import (
+    Table,
+    Text,
+    bindparam,
+    func,
+    insert,
+    literal_column,
+    or_,
+    select,
+    text,
+    update,
+)
 from sqlalchemy.engine import Connection, Engine
 
 from proxy.db import ChatSession, PolicyVersion, Sample, TrainingStep, Turn, User
 from trainer.config import TrainerSettings
-from trainer.loss import mix_rewards, reward_baseline
+from trainer.loss import group_baseline, mix_rewards, reward_baseline
 
 SAMPLES = cast(Table, Sample.__table__)
 STEPS = cast(Table, TrainingStep.__table__)
@@ -73,6 +84,7 @@ class SampleRow:
     reward: int | None
     version: int
     outcome: float | None = None  # the session's outcome when the batch was claimed
+    task: str | None = None  # the first user message of its conversation (`group_mean`)
 
 
 def row_version(row: Any, personal: bool) -> int:
@@ -229,12 +241,18 @@ class Claim:
         self.conn.close()
 
 
+# The content of a turn's first user message, as JSON text (NULL when it has none).
+FIRST_USER_MESSAGE = func.jsonb_path_query_first(
+    TURNS.c.request_messages,
+    literal_column("""'$[*] ? (@.role == "user").content'::jsonpath""")).cast(Text)
+
+
 def _select_ready(limit: int, outcome_wait_s: float = 0.0, user_id: int | None = None) -> Any:
     query = (
         select(SAMPLES.c.id, SAMPLES.c.prompt_ids, SAMPLES.c.response_ids,
                SAMPLES.c.rollout_logprobs, SAMPLES.c.teacher_logprobs, SAMPLES.c.reward,
                SAMPLES.c.weight_version, TURNS.c.adapter_version, USERS.c.train_opt_out,
-               SESSIONS.c.outcome)
+               SESSIONS.c.outcome, FIRST_USER_MESSAGE.label("task"))
         .join(USERS, USERS.c.id == SAMPLES.c.user_id)
         .join(TURNS, TURNS.c.id == SAMPLES.c.turn_id)
         .outerjoin(SESSIONS, SESSIONS.c.id == TURNS.c.session_id)
@@ -298,14 +316,16 @@ def claim_batch(
             samples = [SampleRow(r.id, list(r.prompt_ids), list(r.response_ids),
                                  list(r.rollout_logprobs),
                                  None if r.teacher_logprobs is None else list(r.teacher_logprobs),
-                                 r.reward, row_version(r, cfg.personal), r.outcome)
+                                 r.reward, row_version(r, cfg.personal), r.outcome, r.task)
                        for r in rows]
             batch = collate(samples, current_version)
-            if cfg.baseline == "batch_mean":
+            if cfg.baseline != "none":
                 mixed, on = mix_rewards(method=cfg.method, w_outcome=cfg.outcome_weight,
                                         reward=batch.reward, has_reward=batch.has_reward,
                                         outcome=batch.outcome, has_outcome=batch.has_outcome)
-                batch.baseline = reward_baseline(mixed, on)
+                batch.baseline = (group_baseline(mixed, on, [s.task for s in samples])
+                                  if cfg.baseline == "group_mean"
+                                  else reward_baseline(mixed, on))
             return Claim(conn, batch, [s.reward for s in samples], skipped,
                          [s.outcome for s in samples]), skipped
         conn.rollback()

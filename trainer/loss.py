@@ -13,7 +13,8 @@ The objective (DESIGN §4, §10), per response token t of sample b:
                                             p (the judge's vote); either alone where only it is
                                             present, and p never under 'opd' (`mix_rewards`)
     r_b    −= b_b                           an optional baseline: the batch's mean r over the
-                                            samples that have one (`reward_baseline`)
+                                            samples that have one (`reward_baseline`), or
+                                            that of the samples of b's task (`group_baseline`)
     A_t     = w_rl · r_b + w_opd · (teacher_logp_t − rollout_logp_t)   (each term only where present)
     ratio_t = exp(logp_new_t − rollout_logp_t)                          (behaviour = serving policy)
     pg_t    = −min(ratio_t · A_t, clip(ratio_t, 1 − ε_low, 1 + ε_high) · A_t)
@@ -26,6 +27,7 @@ of micro-batch losses under gradient accumulation equals the token mean of the f
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -89,6 +91,25 @@ def reward_baseline(mixed: Tensor, on: Tensor) -> Tensor:
     on = on.bool()
     mean = mixed[on].mean() if on.any() else mixed.new_zeros(())
     return torch.full_like(mixed, float(mean))
+
+
+def group_baseline(mixed: Tensor, on: Tensor, groups: Sequence[object]) -> Tensor:
+    """The per-task baseline `[B]`: for each sample, the mean of `mixed` over the samples of
+    its group (`groups[b]`, e.g. the task its conversation began with) where `on`, when that
+    group has two or more; else the batch mean (`reward_baseline`). Several episodes of the
+    same task in a batch are then compared with each other, not with easier or harder tasks
+    (GRPO's groups, without its std scaling)."""
+    on = on.bool()
+    out = reward_baseline(mixed, on).clone()
+    members: dict[object, list[int]] = {}
+    for b, key in enumerate(groups):
+        if bool(on[b]) and key is not None:
+            members.setdefault(key, []).append(b)
+    for b, key in enumerate(groups):
+        same = members.get(key, [])
+        if len(same) >= 2:
+            out[b] = mixed[same].mean()
+    return out
 
 
 def compute_advantages(

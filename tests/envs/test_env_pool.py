@@ -81,6 +81,20 @@ async def test_episodes_log_sessions_next_states_and_outcomes(procs: BenchProcs,
         assert second[4][-1] == tool and second[2] == "open"  # a final answer: no next state
 
 
+async def test_a_group_runs_each_task_that_many_times(procs: BenchProcs, db_url: str) -> None:
+    """`group` episodes share their environment's seed (GRPO's groups: the trainer's
+    group_mean baseline compares them), each still its own session."""
+    procs.configure(tool_command="rm -f *.log")
+    key = await make_key(db_url)
+    cfg = PoolConfig(episodes=4, concurrency=4, max_steps=2, model="bench", session_prefix="g",
+                     group=2, options={"tasks": ["delete_logs", "count_lines"]})
+    result = await run_pool(cfg, f"{procs.proxy_url}/v1", key)
+    by_index = {e.index: e for e in result.episodes}
+    assert [by_index[i].task for i in range(4)] == ["delete_logs"] * 2 + ["count_lines"] * 2
+    assert [by_index[i].outcome for i in range(4)] == [1.0, 1.0, -1.0, -1.0]
+    assert len({e.session_id for e in result.episodes}) == 4
+
+
 async def test_the_last_allowed_step_closes_the_session(procs: BenchProcs, db_url: str) -> None:
     procs.configure(tool_command="ls")
     key = await make_key(db_url)

@@ -41,7 +41,8 @@ def add_sample(db: Engine) -> SampleFactory:
                     name=f"u{uuid.uuid4().hex[:6]}", train_opt_out=True)
                     .returning(User.__table__.c.id)).scalar_one()
             turn_id = conn.execute(insert(Turn.__table__).values(
-                uid=uuid.uuid4(), user_id=uid, request_messages=[], status="ok")
+                uid=uuid.uuid4(), user_id=uid,
+                request_messages=fields.pop("request_messages", []), status="ok")
                 .returning(Turn.__table__.c.id)).scalar_one()
             judgment_id = conn.execute(insert(Judgment.__table__).values(
                 turn_id=turn_id, prompt_version="v1")

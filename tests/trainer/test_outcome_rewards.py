@@ -16,7 +16,7 @@ from sqlalchemy.engine import Engine
 from trainer.backends.base import micro_batch_loss, signal_mask
 from trainer.config import TrainerSettings
 from trainer.data import ModelLimits, SampleRow, claim_batch, collate, record_step
-from trainer.loss import compute_advantages, mix_rewards, reward_baseline
+from trainer.loss import compute_advantages, group_baseline, mix_rewards, reward_baseline
 
 SampleFactory = Callable[..., int]
 LIMITS = ModelLimits(vocab_size=100, max_context=8)
@@ -281,4 +281,37 @@ def test_a_batch_all_alike_teaches_nothing_through_the_reward_under_the_baseline
     claim, _ = claim_batch(db, settings, LIMITS, 0)
     assert claim is not None and worse in claim.batch.sample_ids
     assert claim.batch.baseline.tolist() == pytest.approx([0.6] * 5)
+    claim.release()
+
+
+# --- the per-task baseline (trainer/loss.py `group_baseline`) ---------------------------------
+
+def test_the_group_baseline_averages_within_a_task_and_falls_back_to_the_batch() -> None:
+    """Rewards (+1, −1, +1, +1, −1, absent) on tasks (a, a, a, b, c, a): task a's three
+    on-samples average 1/3; b and c are alone (c's −1 and b's +1 fall back to the batch mean
+    over the five on-samples, 1/5); the sample without a reward has a's mean too, but it
+    is not trained through the reward (compute_advantages zeroes it)."""
+    mixed = torch.tensor([1.0, -1.0, 1.0, 1.0, -1.0, 0.0])
+    on = torch.tensor([True, True, True, True, True, False])
+    base = group_baseline(mixed, on, ["a", "a", "a", "b", "c", "a"])
+    assert base.tolist() == pytest.approx([1 / 3, 1 / 3, 1 / 3, 0.2, 0.2, 1 / 3])
+    # A task (None: the turn had no user message) never groups; no groups: the batch mean.
+    assert group_baseline(mixed, on, [None] * 6).tolist() == pytest.approx([0.2] * 6)
+    assert group_baseline(mixed, on, ["x"] * 6).tolist() == pytest.approx([0.2] * 6)
+
+
+def test_claim_batch_groups_samples_by_their_conversations_first_user_message(
+        db: Engine, add_sample: SampleFactory) -> None:
+    """The group is read from each turn's request: two episodes of "Where does Ada live?"
+    (one solved: +1 at both steps, one failed: −1) and one of another question (+1)."""
+    ada = [{"role": "system", "content": "tools"}, {"role": "user", "content": "Where does Ada live?"}]
+    later = ada + [{"role": "assistant", "content": "lookup"}, {"role": "tool", "content": "Oslo"}]
+    bo = [{"role": "user", "content": "What is Bo's job?"}]
+    ids = [add_sample(reward=1, request_messages=ada), add_sample(reward=1, request_messages=later),
+           add_sample(reward=-1, request_messages=ada), add_sample(reward=1, request_messages=bo)]
+    settings = cfg(method="rl", reward_baseline="group_mean", batch_size=4)
+    claim, _ = claim_batch(db, settings, LIMITS, 0)
+    assert claim is not None and claim.batch.sample_ids == ids
+    # Ada's three samples: (1 + 1 − 1) / 3; Bo's alone: the batch mean (1 + 1 − 1 + 1) / 4.
+    assert claim.batch.baseline.tolist() == pytest.approx([1 / 3, 1 / 3, 1 / 3, 0.5])
     claim.release()

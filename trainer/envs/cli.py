@@ -54,14 +54,17 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="default")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0, help="episode i uses seed + i")
+    p.add_argument("--seed", type=int, default=0, help="episode i uses seed + i // group")
+    p.add_argument("--group", type=int, default=1,
+                   help="episodes per seed: each task run this many times (compared with "
+                        "each other by the trainer's group_mean baseline)")
     p.add_argument("--json", type=Path, help="also write every episode here")
     return p
 
 
 def config_from(args: argparse.Namespace) -> PoolConfig:
     """The pool's config, or EnvError for a bad value (checked before any request)."""
-    for name in ("episodes", "concurrency", "max_steps", "max_tokens"):
+    for name in ("episodes", "concurrency", "max_steps", "max_tokens", "group"):
         if getattr(args, name) < 1:
             raise EnvError(f"--{name.replace('_', '-')} must be at least 1")
     if not 0.0 <= args.temperature <= 2.0:
@@ -76,7 +79,8 @@ def config_from(args: argparse.Namespace) -> PoolConfig:
         options["split"] = args.split
     make_env(args.name, args.seed, **options)  # a bad name or task fails here, in one line
     return PoolConfig(env=args.name, episodes=args.episodes, concurrency=args.concurrency,
-                      max_steps=args.max_steps, seed=args.seed, model=args.model,
+                      max_steps=args.max_steps, seed=args.seed, group=args.group,
+                      model=args.model,
                       max_tokens=args.max_tokens, temperature=args.temperature,
                       session_prefix=f"env-{args.name}", options=options)
 

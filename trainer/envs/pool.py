@@ -35,7 +35,8 @@ class PoolConfig:
     episodes: int = 16
     concurrency: int = 4
     max_steps: int = 6
-    seed: int = 0  # episode i gets seed + i (the terminal track: its task and details)
+    seed: int = 0  # episode i gets seed + i // group (the terminal track: its task and details)
+    group: int = 1  # episodes per environment seed: `group` episodes of each task (GRPO)
     model: str = "default"
     max_tokens: int = 128
     temperature: float = 1.0
@@ -105,7 +106,7 @@ async def run_episode(client: Any, cfg: PoolConfig, index: int, run_id: str) -> 
     """One episode through `client` (an `openai.AsyncOpenAI` pointed at the proxy)."""
     import openai
 
-    env = make_env(cfg.env, cfg.seed + index, **cfg.options)
+    env = make_env(cfg.env, cfg.seed + index // cfg.group, **cfg.options)
     session = f"{cfg.session_prefix}-{run_id}-{index}"
     start = time.perf_counter()
     task, steps, done_sent = "", 0, False

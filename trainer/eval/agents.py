@@ -76,6 +76,7 @@ def _pool(config: EvalConfig, rnd: int, wave: int) -> PoolConfig:
     """A wave of training episodes: held-in questions, seeds apart per seed/round/wave."""
     return PoolConfig(env="toolcall", episodes=WAVE, concurrency=config.parallel * 2,
                       max_steps=MAX_STEPS, seed=(config.seed * 1000 + rnd * 40 + wave) * 1000,
+                      group=config.group,
                       max_tokens=96, session_prefix=f"train-r{rnd}-w{wave}",
                       options={"split": "train", "world_seed": config.world_seed})
 

@@ -109,11 +109,16 @@ def parse_args(argv: list[str]) -> EvalConfig:
     p.add_argument("--mini-batches", type=int, default=EvalConfig.mini_batches,
                    help="optimizer steps per version, each on a slice of the batch (the "
                         "trainer's mini_batches)")
-    p.add_argument("--reward-baseline", choices=("none", "batch_mean"), default=None,
-                   help="subtract the batch's mean reward from each sample's (the trainer's "
-                        "reward_baseline; default: the trainer's, batch_mean for --personal's "
-                        f"adapters and none for the shared model; --track toolcall: "
-                        f"{TOOLCALL_BASELINE})")
+    p.add_argument("--reward-baseline", choices=("none", "batch_mean", "group_mean"),
+                   default=None,
+                   help="subtract the batch's mean reward from each sample's, or (group_mean) "
+                        "that of the samples of its task (the trainer's reward_baseline; "
+                        "default: the trainer's, batch_mean for --personal's adapters and none "
+                        f"for the shared model; --track toolcall: {TOOLCALL_BASELINE})")
+    p.add_argument("--group", type=int, default=EvalConfig.group,
+                   help="--track toolcall: training episodes per question (each wave runs "
+                        "every question this many times; with --reward-baseline group_mean "
+                        "they are compared with each other)")
     p.add_argument("--batch-size", type=int, default=None,
                    help=f"samples per version, per user with --personal (default "
                         f"{EvalConfig.batch_size}; {SMALL_BATCH} with --small)")
@@ -187,9 +192,10 @@ def parse_args(argv: list[str]) -> EvalConfig:
     if bool(args.proxy_url) != bool(args.engine_url):
         raise SystemExit("clawrl eval: --proxy-url and --engine-url go together")
     if min(args.rounds, args.sessions, args.probes, args.users_per_pref, args.batch_size,
-           args.parallel, args.mini_batches) < 1:
+           args.parallel, args.mini_batches, args.group) < 1:
         raise SystemExit("clawrl eval: --rounds, --sessions, --parallel, --probes, "
-                         "--users-per-pref, --batch-size and --mini-batches must be >= 1")
+                         "--users-per-pref, --batch-size, --mini-batches and --group must be "
+                         ">= 1")
     state = load_settings().state_dir
     model = args.model or state / "models" / ("tinyworld-tools" if toolcall else
                                               "tinyworld-ci" if args.small else "tinyworld")
@@ -200,7 +206,8 @@ def parse_args(argv: list[str]) -> EvalConfig:
                       seed=seeds[0], seeds=seeds,
                       lr=args.lr, adapter_lr=args.adapter_lr, kl_coef=args.kl_coef,
                       reward_baseline=args.reward_baseline,
-                      mini_batches=args.mini_batches, batch_size=args.batch_size,
+                      mini_batches=args.mini_batches, group=args.group,
+                      batch_size=args.batch_size,
                       round_timeout_s=args.round_timeout, proxy_url=args.proxy_url,
                       keep_db=args.keep_db, followups=args.followups,
                       engine_url=args.engine_url, judge_engine=args.judge_engine,

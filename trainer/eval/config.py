@@ -72,6 +72,8 @@ class EvalConfig:
     # (of 16 samples each) made it worse: peaks of 0.78 / 0.84, then 0.53-0.56 by v8
     # (docs/eval.md), so every track takes one.
     mini_batches: int = 1
+    # `--track toolcall`: training episodes per question (GRPO's group; 1: each its own).
+    group: int = 1
     batch_size: int = int(TINYWORLD_RECIPE["batch_size"])
     round_timeout_s: float = 900.0
     engine_threads: int = 1
