@@ -77,3 +77,28 @@ def test_cli_refuses_an_unknown_prompt_version_and_a_missing_adapter(
     assert lines == [f"clawrl judge build: no judge template prm_v9.txt in {TEMPLATE_DIR}",
                      f"clawrl judge evaluate: no LoRA adapter in {tmp_path / 'none'} "
                      "(adapter_config.json missing)"]
+
+
+def test_evaluate_refuses_a_follow_up_file_that_is_not_one_in_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--rows FILE`: a missing file, a line that is not JSON, a style row without a known
+    preference and a fact row without `{fact}` each end the command with one line, before
+    any model is merged."""
+    from trainer.judgemodel.cli import main
+
+    good = '{"text": "thanks", "label": "praise", "kind": "praise", "preference": null}'
+    bad = {"json": "{oops", "pref": '{"text": "caps", "label": "correction", "kind": "style", '
+           '"preference": "purple"}', "fact": '{"text": "no", "label": "correction", '
+           '"kind": "fact", "preference": null}'}
+    assert main(["evaluate", "--rows", str(tmp_path / "none.jsonl"),
+                 "--state-dir", str(tmp_path)]) == 1
+    for name, line in bad.items():
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text(f"{good}\n\n{line}\n", encoding="utf-8")
+        assert main(["evaluate", "--rows", str(path), "--state-dir", str(tmp_path)]) == 1
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].startswith("clawrl judge evaluate: [Errno 2] No such file")
+    assert lines[1:] == [f"clawrl judge evaluate: {tmp_path / name}.jsonl:3: not a follow-up "
+                         "row (text, label, kind, preference as in "
+                         "trainer/judgemodel/data/README.md)" for name in bad]
+    assert not (tmp_path / "models").exists()  # nothing merged

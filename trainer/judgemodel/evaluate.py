@@ -75,9 +75,31 @@ class Case:
     value: str | None  # the true value a fact hint must state
 
 
+KINDS = {"praise": "praise", "move_on": "praise", "style": "correction", "fact": "correction"}
+PLACEHOLDERS = {"move_on": "{question}", "fact": "{fact}"}
+
+
 def load_heldout(path: Path = HELDOUT) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()
-            if line.strip()]
+    """The rows of a follow-up file in the held-out set's format (data/README.md); a row that
+    is not is a ValueError naming its line."""
+    rows = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            kind, text = row["kind"], row["text"]
+            ok = (KINDS.get(kind) == row["label"] and isinstance(text, str)
+                  and (row["preference"] in HINTS if kind == "style"
+                       else row["preference"] is None)
+                  and (kind not in PLACEHOLDERS or PLACEHOLDERS[kind] in text))
+        except (ValueError, KeyError, TypeError):
+            ok = False
+        if not ok:
+            raise ValueError(f"{path}:{n}: not a follow-up row (text, label, kind, preference "
+                             "as in trainer/judgemodel/data/README.md)")
+        rows.append(row)
+    return rows
 
 
 def stratified(rows: list[dict[str, Any]], limit: int | None,
@@ -239,7 +261,6 @@ def evaluate(state_dir: Path, *, limit: int | None = None, votes: int = 3, port:
              seed: int = 0, overrides: dict[str, Any] | None = None, dev: int = 0,
              speculative: bool = True, agent: int = 0,
              rows_file: Path | None = None) -> dict[str, Any]:
-    model = ensure_judge_model(state_dir, adapter or ADAPTER_DIR)
     world = World.build(0)
     rng = random.Random(f"judge-eval-{seed}")
     if agent:
@@ -252,6 +273,8 @@ def evaluate(state_dir: Path, *, limit: int | None = None, votes: int = 3, port:
         rows = stratified(load_heldout(rows_file or HELDOUT), limit, seed)
         cases = [make_case(world, row, rng) for row in rows]
     settings = JudgeSettings(**{**JUDGE_MODEL_SETTINGS, "votes": votes, **(overrides or {})})
+    model = ensure_judge_model(state_dir, adapter or ADAPTER_DIR)  # after the rows: a bad
+    # file is one line at once, not after a merge
     log = state_dir / "logs" / "judge-eval-engine.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     proc = start_engine(model, port, threads, log, dtype, speculative)
