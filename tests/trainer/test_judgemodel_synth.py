@@ -173,6 +173,19 @@ def test_the_hand_written_lines_are_trained_on_and_near_no_held_out_line() -> No
     assert near == 0, f"{near} hand-written training lines are near held-out lines"
 
 
+def test_without_hand_written_lines_the_stream_is_the_earlier_builds() -> None:
+    """`written_share` 0 draws exactly what the builds before the hand-written lines drew
+    (the digest of the first 200 templates, taken from that code), so `clawrl judge build
+    --written-share 0` rebuilds them; any other share draws some hand-written lines."""
+    import hashlib
+
+    plain = training_set(200, 0, 0.0)
+    digest = hashlib.sha256("\n".join(e.template for e in plain).encode()).hexdigest()
+    assert digest[:16] == "60a0df98f3581a96"
+    mixed = training_set(200, 0, 0.5)
+    assert [e.template for e in mixed] != [e.template for e in plain]
+
+
 def test_agent_steps_are_judged_by_what_came_back() -> None:
     """The agent stage's steps: a tool's result is progress, a tool's error or the user
     asking for the tools is not; no hints; reproducible from the seed."""

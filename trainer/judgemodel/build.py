@@ -49,7 +49,7 @@ from trainer.judgemodel.model import (
     base_dir,
     prompts,
 )
-from trainer.judgemodel.synth import agent_set, training_set
+from trainer.judgemodel.synth import WRITTEN_SHARE, agent_set, training_set
 from trainer.world.town import FACT_HINT, HINTS
 
 
@@ -67,6 +67,9 @@ class BuildConfig:
     decisive: float = 30.0  # weight of each token that carries a decision
     threads: int = 1  # 2 threads on 2 busy cores ran 4x slower (OpenMP spinning)
     prompt_version: str = PROMPT_VERSION  # the judge prompts trained on (judge/templates/)
+    # Share of the follow-ups from the hand-written lines (synth.py `WRITTEN_SHARE`); 0: the
+    # phrasing lists alone, as every build before 2026-12-05.
+    written_share: float = WRITTEN_SHARE
 
 
 @dataclass(frozen=True)
@@ -219,13 +222,14 @@ def build_adapter(state_dir: Path, cfg: BuildConfig, out: Path = ADAPTER_DIR,
                           target_modules=list(TARGETS), task_type="CAUSAL_LM",
                           layers_to_transform=list(range(split, n_layers)))
         model = get_peft_model(model, lora)
-        examples = training_set(cfg.turns, cfg.seed)
+        examples = training_set(cfg.turns, cfg.seed, cfg.written_share)
         epochs, lr = cfg.epochs, cfg.lr
     else:
         first = json.loads((out / "build.json").read_text())
         model = PeftModel.from_pretrained(model, str(out), is_trainable=True)
         replay = random.Random(f"replay-{stage.seed}").sample(
-            training_set(first["config"]["turns"], first["config"]["seed"]),
+            training_set(first["config"]["turns"], first["config"]["seed"],
+                         first["config"].get("written_share", 0.0)),
             stage.replay_turns)
         examples = agent_set(stage.agent_turns, stage.seed) + replay
         epochs, lr = stage.epochs, stage.lr

@@ -43,6 +43,10 @@ def main(argv: list[str]) -> int:
                    help="loss weight of the score / hint-or-not token")
     b.add_argument("--threads", type=int, default=defaults.threads, help="torch CPU threads")
     b.add_argument("--out", type=Path, default=None, help="adapter directory (default: shipped)")
+    b.add_argument("--written-share", type=float, default=defaults.written_share,
+                   help="share of follow-ups from the hand-written lines "
+                        "(trainer/judgemodel/data/train_followups.jsonl); 0: the phrasing "
+                        "lists alone")
     b.add_argument("--prompt-version", default=defaults.prompt_version,
                    help="judge prompts to train on (judge/templates/)")
     b.add_argument("--agent-stage", action="store_true",
@@ -97,7 +101,8 @@ def main(argv: list[str]) -> int:
             cfg = BuildConfig(turns=args.turns, layers=args.layers, rank=args.rank,
                               lr=args.lr, epochs=args.epochs, batch=args.batch,
                               decisive=args.decisive, threads=args.threads,
-                              prompt_version=args.prompt_version)
+                              prompt_version=args.prompt_version,
+                              written_share=args.written_share)
             from trainer.judgemodel.build import AgentStage
 
             figures = build_adapter(state, cfg, out=args.out or ADAPTER_DIR,

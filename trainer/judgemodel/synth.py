@@ -342,10 +342,12 @@ def written_lines() -> dict[tuple[str, str | None], tuple[str, ...]]:
     return {key: tuple(texts) for key, texts in out.items()}
 
 
-def follow_up(kind: str, rng: random.Random, preference: str | None = None) -> str:
+def follow_up(kind: str, rng: random.Random, preference: str | None = None,
+              written: float = WRITTEN_SHARE) -> str:
     """A follow-up template of `kind` (a style request names `preference`): a hand-written
-    line (`WRITTEN_SHARE` of them) or one built from this module's lists, then perturbed."""
-    if rng.random() < WRITTEN_SHARE:
+    line (a share `written` of them) or one built from this module's lists, then perturbed.
+    At `written` 0 the draws are those of the builds before the hand-written lines."""
+    if written > 0 and rng.random() < written:
         return perturb(rng.choice(written_lines()[(kind, preference)]), rng)
     if kind == "style":
         assert preference is not None
@@ -402,8 +404,9 @@ def styled_reply(world: World, q: Question, rng: random.Random, *,
     raise ValueError(f"no style found for violates={violates} satisfies={satisfies_pref}")
 
 
-def make_example(world: World, rng: random.Random, kind: str) -> JudgeExample:
-    """One judged turn of `kind`, on the tiny world `world`."""
+def make_example(world: World, rng: random.Random, kind: str,
+                 written: float = WRITTEN_SHARE) -> JudgeExample:
+    """One judged turn of `kind`, on the tiny world `world` (`written`: `follow_up`'s)."""
     request: list[Message] = []
     if rng.random() < 0.1:
         request.append({"role": "system", "content": "You are a helpful assistant."})
@@ -421,24 +424,24 @@ def make_example(world: World, rng: random.Random, kind: str) -> JudgeExample:
         fact = fact_sentence(world, q, rng)
         if rng.random() < 0.3:
             fact = fact[0].lower() + fact[1:] if rng.random() < 0.5 else fact.rstrip(".")
-        template = follow_up(kind, rng)
+        template = follow_up(kind, rng, written=written)
         text = template.replace("{fact}", fact)
         hint = FACT_HINT.format(fact=fact)
     elif kind == "style":
         preference = rng.choice(PREFERENCES)
         reply = styled_reply(world, q, rng, violates=preference)
-        template = follow_up(kind, rng, preference)
+        template = follow_up(kind, rng, preference, written)
         text = template
         hint = HINTS[preference][0]
     elif kind == "praise":
         praised = rng.choice(PREFERENCES) if rng.random() < 0.12 else None
         reply = styled_reply(world, q, rng, satisfies_pref=praised)
         template = (perturb(praise_template(rng, praised), rng) if praised
-                    else follow_up(kind, rng))
+                    else follow_up(kind, rng, written=written))
         text = template
     elif kind == "move_on":
         reply = render_reply(world, q, Style.random(rng), rng)
-        template = follow_up(kind, rng)
+        template = follow_up(kind, rng, written=written)
         text = template.replace("{question}", next_question(world, rng))
     elif kind == "neutral":
         reply = render_reply(world, q, Style.random(rng), rng)
@@ -451,18 +454,20 @@ def make_example(world: World, rng: random.Random, kind: str) -> JudgeExample:
                         [{"role": "user", "content": text}], LABELS[kind], hint)
 
 
-def iter_examples(seed: int = 0, world_seed: int = 0) -> Iterator[JudgeExample]:
-    """An endless reproducible stream of judged turns, kinds drawn by MIX."""
+def iter_examples(seed: int = 0, world_seed: int = 0,
+                  written: float = WRITTEN_SHARE) -> Iterator[JudgeExample]:
+    """An endless reproducible stream of judged turns, kinds drawn by MIX (`written`: the
+    share of follow-ups from the hand-written lines)."""
     world = World.build(world_seed)
     rng = random.Random(f"judge-synth-{seed}")
     kinds, weights = list(MIX), list(MIX.values())
     while True:
-        yield make_example(world, rng, rng.choices(kinds, weights)[0])
+        yield make_example(world, rng, rng.choices(kinds, weights)[0], written)
 
 
-def training_set(n: int, seed: int = 0) -> list[JudgeExample]:
+def training_set(n: int, seed: int = 0, written: float = WRITTEN_SHARE) -> list[JudgeExample]:
     """The first `n` examples of the stream: what `clawrl judge build` trains on."""
-    stream = iter_examples(seed)
+    stream = iter_examples(seed, written=written)
     return [next(stream) for _ in range(n)]
 
 
