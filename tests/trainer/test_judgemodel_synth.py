@@ -9,7 +9,6 @@ import json
 import re
 from collections import Counter
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -137,17 +136,12 @@ def test_no_held_out_or_simulated_follow_up_is_trained_on() -> None:
     assert not overlap, f"{len(overlap)} held-out/simulated follow-ups in the training set"
 
 
-def _rows(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()
-            if line.strip()]
-
-
 def test_the_hand_written_lines_are_trained_on_and_near_no_held_out_line() -> None:
     """The hand-written training lines (data/train_followups.jsonl) are in the held-out
     format, cover every kind and preference, make up about `WRITTEN_SHARE` of the training
     follow-ups, and none is within a difflib ratio of 0.85 of a held-out, simulated-user or
     dev line (normalized): the lines that were are dropped from the file (data/README.md)."""
-    from trainer.judgemodel.evaluate import DEV_ROWS, load_heldout
+    from trainer.judgemodel.evaluate import DEV_ROWS, PLACEHOLDERS, load_heldout
 
     written = load_heldout(WRITTEN)  # the held-out set's format, checked row by row
     assert len(load_heldout(DEV_ROWS)) == 300
@@ -156,14 +150,14 @@ def test_the_hand_written_lines_are_trained_on_and_near_no_held_out_line() -> No
     assert {p for k, p in kinds if k == "style"} == set(PREFERENCES)
     assert min(kinds.values()) >= 30
     for r in written:
-        placeholder = {"move_on": "{question}", "fact": "{fact}"}.get(r["kind"])
+        placeholder = PLACEHOLDERS.get(r["kind"])
         assert placeholder is None or r["text"].count(placeholder) == 1
     lines = {normalize(r["text"]) for r in written}
     sample = list(itertools.islice(iter_examples(0), 2000))
     used = [e for e in sample if e.kind != "neutral"
             and any(normalize(e.template).startswith(t[:12]) for t in lines)]
     assert 0.35 < len(used) / len(sample) < 0.65
-    others = [normalize(r["text"]) for path in HELD_OUT for r in _rows(path)]
+    others = [normalize(r["text"]) for path in HELD_OUT for r in load_heldout(path)]
     near = 0
     for line in lines:
         for other in others:

@@ -48,6 +48,7 @@ from trainer.judgemodel.model import (
     ensure_judge_model,
 )
 from trainer.judgemodel.synth import (
+    LABELS,
     agent_set,
     iter_examples,
     normalize,
@@ -75,7 +76,8 @@ class Case:
     value: str | None  # the true value a fact hint must state
 
 
-KINDS = {"praise": "praise", "move_on": "praise", "style": "correction", "fact": "correction"}
+# A row's label by its kind (the synthetic set's, less `neutral`, which carries no verdict).
+KINDS = {kind: "praise" if v == 1 else "correction" for kind, v in LABELS.items() if v != 0}
 PLACEHOLDERS = {"move_on": "{question}", "fact": "{fact}"}
 
 
@@ -139,8 +141,9 @@ def make_case(world: World, row: dict[str, Any], rng: random.Random) -> Case:
 def dev_cases(n: int, world: World) -> list[Case]:
     """`n` synthetic turns for choosing how to build and run the judge without looking at
     the held-out set: a stream of `synth.py` no build trains on (its own seed), keeping only
-    follow-ups whose template is not in the default training set (new combinations of the
-    training phrasings, so this measures fit more than reading new English)."""
+    follow-ups whose template is not in the default training set (new combinations and new
+    perturbations of the training phrasings, hand-written lines included, so this measures
+    fit more than reading new English; the dev rows, `DEV_ROWS`, measure that)."""
     seen = {normalize(ex.template) for ex in training_set(BuildConfig().turns)}
     cases: list[Case] = []
     for ex in iter_examples(seed=DEV_SEED):
@@ -273,8 +276,8 @@ def evaluate(state_dir: Path, *, limit: int | None = None, votes: int = 3, port:
         rows = stratified(load_heldout(rows_file or HELDOUT), limit, seed)
         cases = [make_case(world, row, rng) for row in rows]
     settings = JudgeSettings(**{**JUDGE_MODEL_SETTINGS, "votes": votes, **(overrides or {})})
-    model = ensure_judge_model(state_dir, adapter or ADAPTER_DIR)  # after the rows: a bad
-    # file is one line at once, not after a merge
+    # Merged after the rows are read, so a bad file is one line at once, not after a merge.
+    model = ensure_judge_model(state_dir, adapter or ADAPTER_DIR)
     log = state_dir / "logs" / "judge-eval-engine.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     proc = start_engine(model, port, threads, log, dtype, speculative)
