@@ -17,7 +17,7 @@ import pytest
 from proxy.bench import make_key
 from proxy.bench_procs import BenchProcs
 from proxy.db import libpq_url
-from trainer.envs.pool import PoolConfig, run_pool
+from trainer.envs.pool import PoolConfig, run_pool, step_seed
 from trainer.envs.terminal import NUDGE
 
 
@@ -93,6 +93,15 @@ async def test_a_group_runs_each_task_that_many_times(procs: BenchProcs, db_url:
     assert [by_index[i].task for i in range(4)] == ["delete_logs"] * 2 + ["count_lines"] * 2
     assert [by_index[i].outcome for i in range(4)] == [1.0, 1.0, -1.0, -1.0]
     assert len({e.session_id for e in result.episodes}) == 4
+    # Each step is sampled with its own seed (OpenAI's `seed`, stored with the turn's
+    # params): a group's episodes of one task are not the same draw, and a repeated run is.
+    seeds = query(db_url, "SELECT s.external_id, t.index_in_session, t.params->>'seed' "
+                  "FROM turns t JOIN sessions s ON s.id = t.session_id "
+                  "WHERE s.external_id LIKE 'g-%'", wait_for=8)
+    by_session = {e.session_id: e.index for e in result.episodes}
+    assert sorted((by_session[sid], step, int(seed)) for sid, step, seed in seeds) == [
+        (i, step, step_seed(0, i, step + 1)) for i in range(4) for step in range(2)]
+    assert len({int(seed) for *_, seed in seeds}) == 8
 
 
 async def test_the_last_allowed_step_closes_the_session(procs: BenchProcs, db_url: str) -> None:

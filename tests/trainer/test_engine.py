@@ -307,3 +307,21 @@ def test_engine_cli_refuses_a_missing_model_dir(tmp_path: Path) -> None:
                           str(tmp_path / "nope")], capture_output=True, text=True)
     assert out.returncode == 1
     assert out.stderr.count("\n") == 1 and "no config.json" in out.stderr
+
+
+def test_auto_dtype_is_bfloat16_only_where_the_hardware_computes_in_it() -> None:
+    """`--dtype auto` (the judge engine's default): on a CPU without AVX-512 BF16 or AMX,
+    bfloat16 products are emulated and slower than float32, so auto keeps float32 there.
+    Checked against the kernel's own CPU flags, not against the oneDNN call it uses."""
+    from trainer.engine.runtime import resolve_dtype
+
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.is_file():
+        pytest.skip("no /proc/cpuinfo to read the CPU's flags from")
+    flags = set(" ".join(line.split(":", 1)[1] for line in cpuinfo.read_text().splitlines()
+                         if line.startswith("flags")).split())
+    native = bool(flags & {"avx512_bf16", "amx_bf16"})
+    assert resolve_dtype("auto", "cpu") == (torch.bfloat16 if native else torch.float32)
+    assert resolve_dtype("auto", "cuda") == torch.bfloat16
+    assert resolve_dtype("float32", "cpu") == torch.float32
+    assert resolve_dtype("bfloat16", "cpu") == torch.bfloat16

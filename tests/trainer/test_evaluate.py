@@ -171,6 +171,43 @@ async def test_probe_sends_side_turns_and_scores_first_replies() -> None:
     await user.client.close()
 
 
+async def test_probes_with_the_same_seeds_get_the_same_replies_from_the_engine(
+        engine_url: str) -> None:
+    """Common random numbers: every version is probed with the same per-prompt seeds, so the
+    same weights answer the same way and a change in the figures is the model's. Through the
+    embedded engine sampling at temperature 1."""
+    from trainer.eval.rounds import probe_seeds
+
+    world = World.build(0)
+    prompts = [q.text for q in world.heldout[:12]]
+    seeds = probe_seeds(0, 0, len(prompts))
+    assert seeds == probe_seeds(0, 0, len(prompts)) != probe_seeds(0, 1, len(prompts))
+    client = AsyncOpenAI(base_url=f"{engine_url}/v1", api_key="unused")
+    user = SimUser("sim-0", "lowercase", client, random.Random(0), max_tokens=24)
+    first = await user.probe(world, prompts, seeds=seeds)
+    again = await user.probe(world, prompts, seeds=seeds)
+    other = await user.probe(world, prompts, seeds=probe_seeds(0, 1, len(prompts)))
+    assert first.replies == again.replies
+    assert other.replies != first.replies  # the seed, not a greedy engine, fixed them
+    with pytest.raises(ValueError, match="2 seeds for 12 prompts"):
+        await user.probe(world, prompts, seeds=seeds[:2])
+    await client.close()
+
+
+async def test_chat_sessions_send_a_sampling_seed_drawn_from_their_rng() -> None:
+    world = World.build(0)
+    sent = []
+    for _ in range(2):
+        script = ScriptedAssistant(["It is {value}.", "it is {value}.", "it is {value}."], world)
+        user = _user(script, "lowercase")
+        await user.chat_session(world, questions=2, rng=random.Random("s"))
+        seeds = [b.get("seed") for _, b in script.requests if b.get("max_tokens") != 1]
+        assert seeds and all(isinstance(s, int) for s in seeds) and len(set(seeds)) == len(seeds)
+        sent.append(seeds)
+        await user.client.close()
+    assert sent[0] == sent[1]
+
+
 def test_probes_past_the_held_out_questions_repeat_each_before_any_thrice() -> None:
     """`--probes` above the 66 held-out questions asks each again (more sampled replies per
     question) instead of stopping at 66; every question comes up once per pass."""

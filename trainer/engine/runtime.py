@@ -87,6 +87,27 @@ class RWLock:
             self._wake()
 
 
+def native_bfloat16(device: str) -> bool:
+    """Whether bfloat16 matrix products run in hardware here: on CUDA, or on a CPU with
+    AVX-512 BF16 or AMX (what oneDNN reports). Elsewhere torch converts to float32 inside
+    each product, and bfloat16 is slower than float32, not faster: on an AVX2-only CPU a
+    prefill-sized product ran at a ninth of float32's speed (docs/engine.md, "dtype")."""
+    if device.startswith("cuda"):
+        return True
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # a torch built without oneDNN
+        return False
+
+
+def resolve_dtype(name: str, device: str) -> torch.dtype:
+    """`auto`: bfloat16 where it runs natively (half the bytes read per token), float32
+    elsewhere; any other name is that torch dtype."""
+    if name == "auto":
+        return torch.bfloat16 if native_bfloat16(device) else torch.float32
+    return getattr(torch, name)  # type: ignore[no-any-return]
+
+
 def load_model(path: str | Path, *, device: str, dtype: torch.dtype) -> Any:
     """Load an HF causal LM for inference, refusing checkpoints with missing/unexpected keys."""
     from transformers import AutoModelForCausalLM

@@ -45,7 +45,7 @@ from trainer.engine.protocol import (
     sampling_from_dict,
     sse_error,
 )
-from trainer.engine.runtime import Engine, WeightUpdateError
+from trainer.engine.runtime import Engine, WeightUpdateError, resolve_dtype
 from trainer.engine.scheduler import Sequence
 
 # As SGLang's `decide_request_auth`: only health probes are open (/v1/models lists adapters).
@@ -359,7 +359,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--weight-version", default="default")
     parser.add_argument("--device", default="auto", help="cpu, cuda or auto")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--dtype", default="float32",
+                        choices=["float32", "bfloat16", "float16", "auto"],
+                        help="weights; auto: bfloat16 where the hardware computes in it "
+                             "(CUDA, AVX-512 BF16, AMX), float32 elsewhere")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--speculative-algorithm", choices=["ngram"], default=None,
                         help="ngram: a lone greedy request drafts tokens from what the engine "
@@ -397,7 +400,7 @@ def main(argv: list[str]) -> int:
     try:
         engine = Engine(str(args.model), served_model_name=args.served_model_name,
                         weight_version=args.weight_version, device=device,
-                        dtype=getattr(torch, args.dtype), max_batch=args.max_batch,
+                        dtype=resolve_dtype(args.dtype, device), max_batch=args.max_batch,
                         max_loaded_loras=args.max_loaded_loras,
                         speculative_draft_tokens=(args.speculative_num_draft_tokens
                                                   if args.speculative_algorithm else 0))
@@ -406,7 +409,7 @@ def main(argv: list[str]) -> int:
         return 1
     app = create_app(engine, api_key=args.api_key, admin_api_key=args.admin_api_key)
     print(f"clawrl engine: serving {args.model} on http://{args.host}:{args.port} "
-          f"({device}, weight_version {engine.weight_version})", flush=True)
+          f"({device}, {str(engine.dtype).removeprefix('torch.')}, weight_version {engine.weight_version})", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                 access_log=False, timeout_graceful_shutdown=5)
     return 0

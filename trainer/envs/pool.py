@@ -18,6 +18,7 @@ having no next state it is never trained, whichever way the session ends.
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 import uuid
 from collections import Counter, defaultdict
@@ -102,6 +103,14 @@ def reply_message(message: Any) -> Message:
     return out
 
 
+def step_seed(seed: int, index: int, step: int) -> int:
+    """The sampling seed (OpenAI's `seed`) of episode `index`'s step `step` in a pool run
+    with `seed`: distinct for every episode (a group's episodes of one task still differ) and
+    the same when the run is repeated, so a probe pool run against each version samples with
+    the same random numbers."""
+    return random.Random(f"step-{seed}-{index}-{step}").randrange(2**31)
+
+
 async def run_episode(client: Any, cfg: PoolConfig, index: int, run_id: str) -> EpisodeResult:
     """One episode through `client` (an `openai.AsyncOpenAI` pointed at the proxy)."""
     import openai
@@ -125,7 +134,8 @@ async def run_episode(client: Any, cfg: PoolConfig, index: int, run_id: str) -> 
             sent = time.perf_counter()
             completion = await client.chat.completions.create(
                 model=cfg.model, messages=messages, max_tokens=cfg.max_tokens,
-                temperature=cfg.temperature, extra_headers=headers, **extra)
+                temperature=cfg.temperature, extra_headers=headers,
+                seed=step_seed(cfg.seed, index, steps), **extra)
             request_ms.append((time.perf_counter() - sent) * 1e3)
             reply = reply_message(completion.choices[0].message)
             messages.append(reply)

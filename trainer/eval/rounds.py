@@ -30,6 +30,14 @@ def probe_set(world: World, n: int, seed: int) -> list[str]:
     return out[:n]
 
 
+def probe_seeds(seed: int, user: int, n: int) -> list[int]:
+    """The sampling seeds of one user's `n` probes: the same at every round and for every
+    method of a run's seed, so each version is probed with the same random numbers as round
+    0 (common random numbers: an accuracy drop is the model's change, not the sampling's)."""
+    rng = random.Random(f"probe-seeds-{seed}-{user}")
+    return [rng.randrange(2**31) for _ in range(n)]
+
+
 async def run_rounds(config: EvalConfig, method: str, proxy_url: str, db_url: str,
                      engine_url: str, on_round: Any) -> None:
     """Create the users, then chat / wait for training / probe, round after round; each
@@ -85,7 +93,9 @@ async def run_rounds(config: EvalConfig, method: str, proxy_url: str, db_url: st
             else:
                 version = await serving_version(engine_url)
                 served = {u.name: (version, await version_stats(db, version)) for u in users}
-            results = await asyncio.gather(*(u.probe(world, probe_prompts) for u in users))
+            results = await asyncio.gather(*(
+                u.probe(world, probe_prompts, seeds=probe_seeds(config.seed, i, len(probe_prompts)))
+                for i, u in enumerate(users)))
             on_round(method, rnd, [
                 {"method": method, "seed": config.seed, "round": rnd,
                  "version": served.get(user.name, ("0", {}))[0],

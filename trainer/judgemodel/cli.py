@@ -61,7 +61,8 @@ def main(argv: list[str]) -> int:
     e.add_argument("--votes", type=int, default=3)
     e.add_argument("--port", type=int, default=30071)
     e.add_argument("--threads", type=int, default=1, help="engine torch threads")
-    e.add_argument("--dtype", choices=DTYPES, default=JUDGE_DTYPE, help="engine weights")
+    e.add_argument("--dtype", choices=DTYPES, default=JUDGE_DTYPE,
+                   help="engine weights (auto: bfloat16 where the CPU computes in it)")
     e.add_argument("--adapter", type=Path, default=None)
     e.add_argument("--speculative", action=argparse.BooleanOptionalAction, default=True,
                    help="n-gram drafts checked in one forward pass, as `judge serve` runs "
@@ -85,8 +86,8 @@ def main(argv: list[str]) -> int:
     v.add_argument("--port", type=int, default=30001)
     v.add_argument("--threads", type=int, default=1, help="engine torch threads")
     v.add_argument("--dtype", choices=DTYPES, default=JUDGE_DTYPE,
-                   help="engine weights (bfloat16: the same answers as float32 on the dev "
-                        "set, fewer bytes read per token; docs/judge.md)")
+                   help="engine weights (auto: bfloat16 where the CPU computes in it, "
+                        "float32 elsewhere; the same answers on the dev set; docs/judge.md)")
     v.add_argument("--speculative", action=argparse.BooleanOptionalAction, default=True,
                    help="draft answers from earlier ones (greedy answers unchanged)")
     args = p.parse_args(argv)

@@ -40,6 +40,7 @@ from judge.config import JUDGE_MODEL_SETTINGS, JudgeSettings
 from judge.judgment import cast_votes
 from judge.prompts import render_fields
 from proxy.signals import die_with_parent
+from trainer.engine.runtime import resolve_dtype
 from trainer.judgemodel.build import BuildConfig
 from trainer.judgemodel.model import (
     ADAPTER_DIR,
@@ -294,7 +295,10 @@ def evaluate(state_dir: Path, *, limit: int | None = None, votes: int = 3, port:
     name = "agent" if agent else "dev" if dev else (rows_file or HELDOUT).stem
     return {"set": name, "rows": len(rows),
             "settings": how,
-            "threads": threads, "dtype": dtype, "speculative": speculative,
+            "threads": threads,
+            # the dtype the engine chose for `auto` (the same machine, the same rule)
+            "dtype": str(resolve_dtype(dtype, "cpu")).removeprefix("torch."),
+            "speculative": speculative,
             "summary": summarize(results), "targets": TARGETS,
             "misses": [r for r in results if r["reward"] != r["expected"]
                        or (r["kind"] == "style"

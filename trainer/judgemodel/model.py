@@ -37,9 +37,11 @@ ADAPTER_DIR = Path(__file__).resolve().parent / "adapter"
 MERGED_MARKER = ".merged"
 # The judge engine's weights. A decoded token reads every weight once, so on a CPU the bytes
 # read bound the speed: bfloat16 reads half of float32's. On 100 dev turns the two gave the
-# same greedy answer every time (first-token probabilities within 0.013; docs/judge.md).
-JUDGE_DTYPE = "bfloat16"
-DTYPES = ("float32", "bfloat16")
+# same greedy answer every time (first-token probabilities within 0.013; docs/judge.md). But
+# only a CPU that computes in bfloat16 (AVX-512 BF16, AMX) gains: on an AVX2-only one the
+# prompt's prefill ran 8x slower than in float32. `auto` picks by the hardware.
+JUDGE_DTYPE = "auto"
+DTYPES = ("auto", "float32", "bfloat16")
 # The judge's answers repeat (the same scores and canonical hints): its engine drafts each
 # answer from the ones it wrote before and checks the draft in one forward pass (greedy, so
 # the answers are the model's own; trainer/engine/ngram.py, docs/judge.md).

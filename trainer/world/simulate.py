@@ -165,10 +165,13 @@ class SimUser:
     says: Phrasings = field(default_factory=CorpusPhrasings)
 
     async def _complete(self, messages: list[dict[str, str]], headers: dict[str, str] | None = None,
-                        max_tokens: int | None = None) -> str:
+                        max_tokens: int | None = None, seed: int | None = None) -> str:
+        # OpenAI's `seed`: the engine samples this reply from a generator of its own
+        # seeded with it, so the same seed and weights give the same reply.
+        extra = {} if seed is None else {"seed": seed}
         resp = await self.client.chat.completions.create(
             model=self.model, messages=messages, temperature=self.temperature,
-            max_tokens=max_tokens or self.max_tokens, extra_headers=headers or {})
+            max_tokens=max_tokens or self.max_tokens, extra_headers=headers or {}, **extra)
         return str(resp.choices[0].message.content or "")
 
     async def chat_session(self, world: World, questions: int = 2, max_redos: int = 1,
@@ -180,8 +183,9 @@ class SimUser:
         praise, alone or with the next question. Every reply thus gets a next state; the last
         one arrives with a one-token `X-Session-Done` request (never trained).
 
-        `rng` (default: the user's) draws the questions and phrasings; concurrent sessions
-        each get their own, so a run is reproducible however the replies interleave.
+        `rng` (default: the user's) draws the questions, phrasings and each reply's sampling
+        seed; concurrent sessions each get their own, so a run is reproducible however the
+        replies interleave.
         """
         rng = rng or self.rng
         messages: list[dict[str, str]] = []
@@ -190,7 +194,7 @@ class SimUser:
             q = rng.choice(world.train)
             messages.append({"role": "user", "content": turn.replace("{question}", q.text)})
             for attempt in range(max_redos + 1):
-                reply = await self._complete(messages)
+                reply = await self._complete(messages, seed=rng.randrange(2**31))
                 messages.append({"role": "assistant", "content": reply})
                 right = is_correct(world, q, reply)
                 ok = satisfies(self.pref, reply)
@@ -212,17 +216,28 @@ class SimUser:
             turn = self.says.next_turn(praise, rng)
 
     async def probe(self, world: World, prompts: list[str],
-                    concurrency: int = PROBE_CONCURRENCY) -> ProbeResult:
-        """First replies to held-out prompts, as side turns in fresh conversations."""
+                    concurrency: int = PROBE_CONCURRENCY,
+                    seeds: list[int] | None = None) -> ProbeResult:
+        """First replies to held-out prompts, as side turns in fresh conversations.
+
+        `seeds`, one per prompt: each reply is sampled with its own seed. Probing every
+        version with the same seeds compares versions on common random numbers: a version
+        that did not change answers as its predecessor did, so a change in the figures is
+        the model's, not the dice's."""
         # Concurrent, so the engine batches them (side turns are independent conversations),
         # at most `concurrency` at once.
         gate = asyncio.Semaphore(concurrency)
+        per: list[int | None] = list(seeds) if seeds is not None else [None] * len(prompts)
+        if len(per) != len(prompts):
+            raise ValueError(f"{len(per)} seeds for {len(prompts)} prompts")
 
-        async def ask(prompt: str) -> str:
+        async def ask(prompt: str, seed: int | None) -> str:
             async with gate:
-                return await self._complete([{"role": "user", "content": prompt}], SIDE)
+                return await self._complete([{"role": "user", "content": prompt}], SIDE,
+                                            seed=seed)
 
-        replies = list(await asyncio.gather(*(ask(p) for p in prompts)))
+        replies = list(await asyncio.gather(*(ask(p, s) for p, s in zip(prompts, per,
+                                                                         strict=True))))
         questions = [world.find(p) for p in prompts]
         correct = [q is not None and is_correct(world, q, r)
                    for q, r in zip(questions, replies, strict=True)]
