@@ -91,7 +91,7 @@ def native_bfloat16(device: str) -> bool:
     """Whether bfloat16 matrix products run in hardware here: on CUDA, or on a CPU with
     AVX-512 BF16 or AMX (what oneDNN reports). Elsewhere torch converts to float32 inside
     each product, and bfloat16 is slower than float32, not faster: on an AVX2-only CPU a
-    prefill-sized product ran at a ninth of float32's speed (docs/engine.md, "dtype")."""
+    prefill-sized product ran at a ninth of float32's speed (docs/judge.md, "Which dtype")."""
     if device.startswith("cuda"):
         return True
     try:
