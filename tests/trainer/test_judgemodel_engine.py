@@ -31,7 +31,12 @@ from judge.config import JUDGE_MODEL_SETTINGS, JudgeSettings
 from judge.judgment import cast_votes
 from judge.prompts import render_fields
 from trainer.judgemodel.evaluate import DEV_SEED
-from trainer.judgemodel.model import ADAPTER_DIR, ensure_judge_model
+from trainer.judgemodel.model import (
+    ADAPTER_DIR,
+    JUDGE_DTYPE,
+    SPECULATIVE_FLAGS,
+    ensure_judge_model,
+)
 from trainer.judgemodel.synth import agent_set
 from trainer.world.town import HINTS
 
@@ -132,13 +137,14 @@ async def judge_cases(url: str, turns: list[Turn] | None = None
 def test_shipped_adapter_judges_through_the_engine(
         base_dir: Path, tmp_path: Path, engine_factory: Callable[..., str]) -> None:
     """The adapter in the repo, merged once into <state>/models/judge, served by the
-    embedded engine: the judge's own PRM and hint code gets the verdicts right."""
+    embedded engine as `clawrl judge serve` runs it (drafted greedy answers, `--dtype auto`):
+    the judge's own PRM and hint code gets the verdicts right."""
     state = tmp_path / "state"
     (state / "models").mkdir(parents=True)
     (state / "models" / "smollm2-135m").symlink_to(base_dir)
     judge_dir = ensure_judge_model(state, ADAPTER_DIR)
     assert ensure_judge_model(state, ADAPTER_DIR) == judge_dir  # merged once
-    url = engine_factory(judge_dir)
+    url = engine_factory(judge_dir, *SPECULATIVE_FLAGS, "--dtype", JUDGE_DTYPE)
     results = asyncio.run(judge_cases(url))
     for (_, _, follow_up, label, pref), (reward, hint) in zip(CASES, results, strict=True):
         assert reward == label, follow_up

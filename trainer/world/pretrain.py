@@ -58,7 +58,7 @@ FULL = BuildConfig()
 # `clawrl eval --small` to show learning (report.json: PRM ~0.9 on corpus phrasings).
 CI = replace(FULL, steps=800, eval_cases=48)
 # Test-sized: seconds. Loadable and plumbed like the others, but it has not learned to judge.
-SMALL = BuildConfig(size="test", hidden_size=0, tokenizer_examples=1500, steps=150, lr=5e-3,
+SMALL = BuildConfig(size="test", hidden_size=0, tokenizer_examples=1500, steps=60, lr=5e-3,
                     eval_cases=12)
 
 
