@@ -325,3 +325,40 @@ def test_auto_dtype_is_bfloat16_only_where_the_hardware_computes_in_it() -> None
     assert resolve_dtype("auto", "cuda") == torch.bfloat16
     assert resolve_dtype("float32", "cpu") == torch.float32
     assert resolve_dtype("bfloat16", "cpu") == torch.bfloat16
+
+
+def _metric(text: str, name: str, **labels: str) -> float:
+    """The value of one sample in Prometheus text (`name{labels} value`)."""
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} {labels} not in /metrics:\n{text}")
+
+
+async def test_metrics_count_tokens_requests_and_accepted_drafts(
+        engine_factory: Any, tiny_model_dir: Path) -> None:
+    """GET /metrics: SGLang's names for tokens and queue sizes, the finished requests, and the
+    n-gram drafts' proposed and accepted tokens, with their rate."""
+    url = engine_factory(tiny_model_dir, "--speculative-algorithm", "ngram")
+    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+        start = (await client.get("/metrics")).text
+        assert _metric(start, "sglang:prompt_tokens_total") == 0
+        assert _metric(start, "clawrl_engine_draft_accept_rate") == 0
+        usage = []
+        for _ in range(3):  # the same greedy answer: the 2nd and 3rd are drafted from the 1st
+            r = await client.post("/v1/chat/completions",
+                                  json=chat_body(temperature=0, max_tokens=24))
+            usage.append(r.json()["usage"])
+        text = (await client.get("/metrics")).text
+    assert _metric(text, "sglang:prompt_tokens_total") == sum(u["prompt_tokens"] for u in usage)
+    assert _metric(text, "sglang:generation_tokens_total") == sum(
+        u["completion_tokens"] for u in usage)
+    finished = sum(_metric(text, "clawrl_engine_requests_finished_total", finish=kind)
+                   for kind in ("stop", "length") if f'finish="{kind}"' in text)
+    assert finished == 3
+    assert _metric(text, "sglang:num_running_reqs") == 0
+    assert _metric(text, "sglang:num_queue_reqs") == 0
+    proposed = _metric(text, "clawrl_engine_draft_tokens_proposed_total")
+    accepted = _metric(text, "clawrl_engine_draft_tokens_accepted_total")
+    assert proposed > 0 and 0 < accepted <= proposed
+    assert _metric(text, "clawrl_engine_draft_accept_rate") == pytest.approx(accepted / proposed)

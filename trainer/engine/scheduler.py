@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import random
 import threading
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -115,6 +115,10 @@ class Scheduler:
         self._calls: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
         self.lora = LoRAContext()
         self.drafts = drafts  # speculative decoding of lone greedy sequences (`_speculate`)
+        # Finished requests by finish type, and their prompt and generated tokens (for
+        # GET /metrics; written by the scheduler thread only).
+        self.finished: Counter[str] = Counter()
+        self.prompt_tokens = self.generation_tokens = 0
         self._thread = threading.Thread(target=self._loop, name="engine-scheduler", daemon=True)
         self._rng = torch.Generator().manual_seed(random.randrange(2**63))
 
@@ -444,6 +448,9 @@ class Scheduler:
         return None
 
     def _finish(self, seq: Sequence, finish: Finish) -> None:
+        self.finished[str(finish.get("type", "unknown"))] += 1
+        self.prompt_tokens += len(seq.input_ids)
+        self.generation_tokens += len(seq.output_ids)
         if self.drafts is not None and seq.output_ids and finish.get("type") != "abort":
             self.drafts.learn(seq.input_ids[-self.drafts.max_n:] + seq.output_ids)
         seq.finish = finish

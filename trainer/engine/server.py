@@ -29,11 +29,14 @@ from typing import Any
 
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from prometheus_client import generate_latest
 from pydantic import ValidationError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from trainer.engine import chat
 from trainer.engine.lora import LoRAError
+from trainer.engine.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from trainer.engine.metrics import engine_registry
 from trainer.engine.protocol import (
     ChatCompletionRequest,
     EngineError,
@@ -209,6 +212,12 @@ def create_app(engine: Engine, *, api_key: str | None = None,
     @app.get("/get_model_info")
     async def model_info() -> dict[str, Any]:
         return engine.model_info()
+
+    registry = engine_registry(engine)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(registry), media_type=METRICS_CONTENT_TYPE)
 
     @app.get("/health")
     async def health() -> Response:
