@@ -29,4 +29,6 @@ up: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check proxy judge trainer tests
 	$(BIN)/mypy
-	$(BIN)/python -m pytest
+	# Two workers, a test file each at a time (module fixtures stay in one process): most
+	# tests wait on servers they started, so two at once fill the two cores of CI's machine.
+	$(BIN)/python -m pytest -n 2 --dist loadfile

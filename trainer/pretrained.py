@@ -90,6 +90,11 @@ def pull_model(name: str, out: Path, *, force: bool = False) -> Path:
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
     (tmp / DONE_MARKER).write_text(f"{name} from {src.name}\n", encoding="utf-8")
+    if is_pulled(out) and not force:
+        # Another pull (a second `clawrl up`, a parallel test worker) finished first and may
+        # be reading it: keep that one rather than delete it under its feet.
+        shutil.rmtree(tmp, ignore_errors=True)
+        return out
     if out.exists():
         shutil.rmtree(out)
     out.parent.mkdir(parents=True, exist_ok=True)
