@@ -19,8 +19,6 @@ from prometheus_client.registry import Collector
 if TYPE_CHECKING:
     from trainer.engine.runtime import Engine
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-
 
 class _EngineCollector(Collector):
     def __init__(self, engine: Engine) -> None:

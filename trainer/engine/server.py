@@ -29,13 +29,12 @@ from typing import Any
 
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from prometheus_client import generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from trainer.engine import chat
 from trainer.engine.lora import LoRAError
-from trainer.engine.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from trainer.engine.metrics import engine_registry
 from trainer.engine.protocol import (
     ChatCompletionRequest,
@@ -217,7 +216,7 @@ def create_app(engine: Engine, *, api_key: str | None = None,
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(generate_latest(registry), media_type=METRICS_CONTENT_TYPE)
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/health")
     async def health() -> Response:
@@ -417,8 +416,9 @@ def main(argv: list[str]) -> int:
         print(f"clawrl engine: cannot load {args.model}: {exc}", file=sys.stderr)
         return 1
     app = create_app(engine, api_key=args.api_key, admin_api_key=args.admin_api_key)
+    dtype = str(engine.dtype).removeprefix("torch.")
     print(f"clawrl engine: serving {args.model} on http://{args.host}:{args.port} "
-          f"({device}, {str(engine.dtype).removeprefix('torch.')}, weight_version {engine.weight_version})", flush=True)
+          f"({device}, {dtype}, weight_version {engine.weight_version})", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                 access_log=False, timeout_graceful_shutdown=5)
     return 0
