@@ -80,6 +80,13 @@ class TrainerSettings(BaseModel):
     # k3 KL to the frozen base model; 0 disables it (and skips the reference forward pass).
     kl_coef: float = Field(default=0.02, ge=0)
     entropy_coef: float = Field(default=0.0, ge=0)
+    # The pretraining-data term (trainer/ptx.py, InstructGPT's PPO-ptx): γ times the mean
+    # negative log-likelihood of a batch of `ptx_batch_size` examples from `ptx_data` (JSONL of
+    # {"messages": [...]} or {"text": ...}) added to every optimizer step; 0 disables it. Unset
+    # `ptx_data` with the tiny world: the world's own chat corpus. Torch backend only.
+    ptx_coef: float = Field(default=0.0, ge=0)
+    ptx_data: Path | None = None
+    ptx_batch_size: int = Field(default=16, ge=1)
     grad_clip: float = Field(default=1.0, gt=0)
 
     # Batching: `batch_size` samples per optimizer step, processed `micro_batch_size` at a
@@ -135,6 +142,8 @@ class TrainerSettings(BaseModel):
         if (self.mini_batches, self.epochs) != (1, 1) and self.backend != "torch":
             raise ValueError("several optimizer steps per batch (mini_batches, epochs) need "
                              "the torch backend")
+        if self.ptx_coef > 0 and self.backend != "torch":
+            raise ValueError("the pretraining-data term (ptx_coef > 0) needs the torch backend")
         if self.personal and self.backend != "torch":
             raise ValueError("personal mode (one LoRA adapter per user) needs the torch backend")
         if self.personal and not self.lora.enabled:

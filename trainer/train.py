@@ -48,6 +48,7 @@ from trainer.config import Settings, TrainerSettings, load_settings, model_recip
 from trainer.data import VERSIONS, Claim, claim_batch, record_step
 from trainer.export import CheckpointError, version_dir
 from trainer.metrics import TrainerMetrics
+from trainer.ptx import write_tinyworld_ptx
 from trainer.publish import PublishError, engine_client, publish_version, serving_version
 
 log = logging.getLogger("clawrl.trainer")
@@ -281,6 +282,11 @@ def resolve_settings(args: argparse.Namespace) -> Settings:
         settings.trainer = TrainerSettings.model_validate(settings.trainer.model_dump() | recipe)
         log.info("the tiny world model's training settings: %s (CLAWRL_TRAINER__* changes "
                  "them)", ", ".join(f"{k} {v}" for k, v in recipe.items()))
+    cfg, model_dir = settings.trainer, settings.model_dir()
+    if cfg.ptx_coef > 0 and cfg.ptx_data is None and (model_dir / "tinyworld.json").is_file():
+        path = write_tinyworld_ptx(model_dir, settings.state_dir / "ptx")
+        settings.trainer = cfg.model_copy(update={"ptx_data": path})
+        log.info("pretraining-data term: %s, the tiny world's chat corpus", path)
     return settings
 
 

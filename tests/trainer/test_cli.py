@@ -118,3 +118,24 @@ def test_personal_adapters_train_against_the_batch_mean_unless_told_otherwise(
     assert resolve_settings(plain).trainer.baseline == "batch_mean"
     monkeypatch.setenv("CLAWRL_TRAINER__REWARD_BASELINE", "none")
     assert resolve_settings(plain).trainer.baseline == "none"
+
+
+def test_the_tiny_world_learns_its_own_corpus_as_ptx_data_unless_given_a_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ptx_coef > 0 on the tiny world with no ptx_data: the world's chat corpus, written
+    under the state dir; a file given is kept; off (0), nothing is written."""
+    from trainer.train import build_parser, resolve_settings
+
+    for name in [k for k in os.environ if k.startswith("CLAWRL_TRAINER__")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("CLAWRL_STATE_DIR", str(tmp_path))
+    monkeypatch.setenv("CLAWRL_TRAINER__PTX_COEF", "0")
+    tiny = build_parser().parse_args(["--model", str(PREBUILT_CI)])
+    assert resolve_settings(tiny).trainer.ptx_data is None
+    assert not (tmp_path / "ptx").exists()
+    monkeypatch.setenv("CLAWRL_TRAINER__PTX_COEF", "0.5")
+    got = resolve_settings(tiny).trainer.ptx_data
+    assert got is not None and got.parent == tmp_path / "ptx"
+    assert len(got.read_text().splitlines()) == 4000
+    monkeypatch.setenv("CLAWRL_TRAINER__PTX_DATA", str(tmp_path / "mine.jsonl"))
+    assert resolve_settings(tiny).trainer.ptx_data == tmp_path / "mine.jsonl"

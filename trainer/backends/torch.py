@@ -21,10 +21,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from trainer.backends.base import StepStats, micro_batch_loss, signal_mask
+from trainer.backends.base import BackendError, StepStats, micro_batch_loss, signal_mask
 from trainer.config import TrainerSettings
 from trainer.data import Batch, ModelLimits
 from trainer.loss import entropy_from_logits, gather_logprobs
+from trainer.ptx import PtxBatches, PtxDataError, load_examples
 
 OPTIMIZER_FILE = "optimizer.pt"
 ADAPTER_FILE = "adapter.pt"
@@ -45,6 +46,7 @@ class TorchBackend:
         self.reference: torch.nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self._limits: ModelLimits | None = None
+        self.ptx: PtxBatches | None = None
 
     # -- loading -----------------------------------------------------------------------------
     def load(self, model_dir: Path, reference_dir: Path | None = None) -> None:
@@ -73,6 +75,23 @@ class TorchBackend:
             self.reference = reference.to(self.device).eval().requires_grad_(False)
         self.model = model.to(self.device)
         self._new_optimizer()
+        if self.cfg.ptx_coef > 0 and self.ptx is None:
+            self.ptx = self._load_ptx(reference_dir or model_dir)
+
+    def _load_ptx(self, model_dir: Path) -> PtxBatches:
+        from transformers import AutoTokenizer
+
+        if self.cfg.ptx_data is None:
+            raise BackendError("ptx_coef > 0 needs ptx_data: a JSONL file of "
+                               '{"messages": [...]} or {"text": ...} lines')
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        try:
+            examples = load_examples(self.cfg.ptx_data, tokenizer,
+                                     min(self.limits.max_context, 2048))
+        except PtxDataError as exc:
+            raise BackendError(str(exc)) from exc
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        return PtxBatches(examples, self.cfg.ptx_batch_size, self.cfg.seed, pad_id=int(pad))
 
     @property
     def lr(self) -> float:
@@ -162,7 +181,9 @@ class TorchBackend:
             ratio_mean=weighted("ratio_mean"), clip_frac=weighted("clip_frac"),
             abs_log_ratio_max=max(d.abs_log_ratio_max or 0.0 for d in ok),
             grad_norm=max(d.grad_norm or 0.0 for d in ok),
-            extra={"updates": len(ok), "updates_skipped": len(done) - len(ok)})
+            extra={"updates": len(ok), "updates_skipped": len(done) - len(ok)}
+            | ({"ptx_nll": sum(d.extra["ptx_nll"] for d in ok) / len(ok)}
+               if self.ptx is not None else {}))
 
     def _update(self, batch: Batch) -> StepStats:
         """One optimizer step on `batch` (gradient accumulation over its micro batches)."""
@@ -193,6 +214,11 @@ class TorchBackend:
             sums["ratio"] += terms.ratio_sum
             sums["clip"] += terms.clipped_low + terms.clipped_high
             abs_lr_max = max(abs_lr_max, terms.abs_log_ratio_max)
+        ptx_nll: float | None = None
+        if bad is None and self.ptx is not None:
+            ptx_nll = self._ptx_backward(model)
+            if not math.isfinite(ptx_nll):
+                bad = f"non-finite ptx loss ({ptx_nll})"
         grad_norm = None
         if bad is None:
             params = [p for p in model.parameters() if p.requires_grad]
@@ -214,7 +240,28 @@ class TorchBackend:
             seconds=time.perf_counter() - started, loss=sums["loss"], pg_loss=sums["pg"] / n,
             kl=sums["kl"] / n, entropy=sums["ent"] / n if self.cfg.entropy_coef > 0 else None,
             ratio_mean=sums["ratio"] / n, clip_frac=sums["clip"] / n,
-            abs_log_ratio_max=abs_lr_max, grad_norm=grad_norm)
+            abs_log_ratio_max=abs_lr_max, grad_norm=grad_norm,
+            extra={} if ptx_nll is None else {"ptx_nll": ptx_nll})
+
+    def _ptx_backward(self, model: torch.nn.Module) -> float:
+        """Accumulate γ · the token-mean NLL of one ptx batch (trainer/ptx.py) into the
+        gradients, in micro batches; returns the batch's mean NLL."""
+        assert self.ptx is not None
+        ids, attn, mask = self.ptx.next()
+        total = float(mask.sum()) or 1.0
+        nll_sum = 0.0
+        step = self.cfg.micro_batch_size
+        for start in range(0, ids.shape[0], step):
+            part = slice(start, start + step)
+            micro_ids, micro_mask = ids[part].to(self.device), mask[part].to(self.device)
+            logits = model(input_ids=micro_ids, attention_mask=attn[part].to(self.device),
+                           use_cache=False).logits
+            nll = -(gather_logprobs(logits, micro_ids) * micro_mask).sum()
+            if not math.isfinite(float(nll.detach())):
+                return float("nan")
+            (self.cfg.ptx_coef * nll / total).backward()  # type: ignore[no-untyped-call]
+            nll_sum += float(nll.detach())
+        return nll_sum / total
 
     # -- files -------------------------------------------------------------------------------
     def export(self, out_dir: Path) -> None:

@@ -39,7 +39,9 @@ TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 _TOOL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 
 
-def _normalise_message(i: int, message: Any) -> dict[str, Any]:
+def normalise_message(i: int, message: Any) -> dict[str, Any]:
+    """An OpenAI chat message as the chat template takes it (text parts joined, null content
+    as "", tool-call arguments parsed); EngineError names the message and what is wrong."""
     if not isinstance(message, dict) or message.get("role") not in _ROLES:
         role = message.get("role") if isinstance(message, dict) else None
         raise EngineError(f"messages.{i}.role: unknown role {role!r} "
@@ -87,7 +89,7 @@ def prompt_ids(engine: Engine, req: ChatCompletionRequest) -> list[int]:
         return list(req.input_ids)
     if not req.messages:
         raise EngineError("Messages cannot be empty.")
-    messages = [_normalise_message(i, m) for i, m in enumerate(req.messages)]
+    messages = [normalise_message(i, m) for i, m in enumerate(req.messages)]
     prefix = ""
     if messages[-1]["role"] == "assistant" and not messages[-1].get("tool_calls"):
         # SGLang: continue the final assistant message, or else treat it as a user turn.

@@ -106,6 +106,9 @@ def parse_args(argv: list[str]) -> EvalConfig:
     p.add_argument("--adapter-lr", type=float, default=EvalConfig.adapter_lr,
                    help="--personal: the per-user adapters' learning rate")
     p.add_argument("--kl-coef", type=float, default=EvalConfig.kl_coef)
+    p.add_argument("--ptx-coef", type=float, default=EvalConfig.ptx_coef,
+                   help="weight of the tiny world's own chat corpus mixed into every step "
+                        "(the trainer's ptx_coef, trainer/ptx.py); 0: none")
     p.add_argument("--mini-batches", type=int, default=EvalConfig.mini_batches,
                    help="optimizer steps per version, each on a slice of the batch (the "
                         "trainer's mini_batches)")
@@ -205,7 +208,7 @@ def parse_args(argv: list[str]) -> EvalConfig:
                       sessions=args.sessions, parallel=args.parallel, probes=args.probes,
                       seed=seeds[0], seeds=seeds,
                       lr=args.lr, adapter_lr=args.adapter_lr, kl_coef=args.kl_coef,
-                      reward_baseline=args.reward_baseline,
+                      ptx_coef=args.ptx_coef, reward_baseline=args.reward_baseline,
                       mini_batches=args.mini_batches, group=args.group,
                       batch_size=args.batch_size,
                       round_timeout_s=args.round_timeout, proxy_url=args.proxy_url,
