@@ -84,6 +84,9 @@ def test_the_tiny_world_trains_with_its_recipe_unless_told_otherwise(
     assert (got.lr, got.kl_coef, got.batch_size) == (
         TINYWORLD_RECIPE["lr"], TINYWORLD_RECIPE["kl_coef"], TINYWORLD_RECIPE["batch_size"])
     assert TINYWORLD_RECIPE["lr"] != TrainerSettings().lr  # the recipe is not the default
+    # The world's own corpus keeps its facts while it learns (trainer/ptx.py).
+    assert got.ptx_coef == TINYWORLD_RECIPE["ptx_coef"] > TrainerSettings().ptx_coef == 0
+    assert got.ptx_data is not None and got.ptx_data.is_relative_to(tmp_path)
 
     monkeypatch.setenv("CLAWRL_TRAINER__LR", "3e-5")
     got = resolve_settings(tiny).trainer
@@ -97,6 +100,7 @@ def test_the_tiny_world_trains_with_its_recipe_unless_told_otherwise(
     defaults = TrainerSettings()
     assert (got.lr, got.kl_coef, got.batch_size) == (3e-5, defaults.kl_coef,
                                                      defaults.batch_size)
+    assert (got.ptx_coef, got.ptx_data) == (0, None)
 
 
 def test_personal_adapters_train_against_the_batch_mean_unless_told_otherwise(

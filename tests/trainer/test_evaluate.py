@@ -21,6 +21,7 @@ import pytest
 from openai import AsyncOpenAI
 
 from trainer.eval import cli, report
+from trainer.config import TINYWORLD_RECIPE
 from trainer.eval import config as evalconfig
 from trainer.world.simulate import PeoplePhrasings, SimUser, phrasings
 from trainer.world.town import CORRECTIONS, FRESH_CORRECTIONS, World
@@ -330,6 +331,7 @@ def test_several_seeds_table_shows_the_mean_and_curve_the_band(tmp_path: Path) -
     (["--track", "toolcall", "--proxy-url", "http://p", "--engine-url", "http://e"],
      "--track toolcall starts its own stacks"),
     (["--track", "tools"], "invalid choice: 'tools'"),
+    (["--ptx-coef", "-0.1"], "--kl-coef and --ptx-coef must be >= 0"),
 ])
 def test_bad_arguments_are_one_clear_line(argv: list[str], message: str,
                                           capsys: pytest.CaptureFixture[str]) -> None:
@@ -353,6 +355,10 @@ def test_the_toolcall_track_defaults_and_its_methods_settings() -> None:
     assert envs[0]["CLAWRL_TRAINER__REWARD_BASELINE"] == evalconfig.TOOLCALL_BASELINE
     chat = evalconfig.stack_env(cli.parse_args([]), "combine")
     assert "CLAWRL_TRAINER__REWARD_BASELINE" not in chat
+    # The corpus term is the recipe's unless asked otherwise, and always said explicitly.
+    assert chat["CLAWRL_TRAINER__PTX_COEF"] == str(TINYWORLD_RECIPE["ptx_coef"])
+    off = evalconfig.stack_env(cli.parse_args(["--ptx-coef", "0"]), "combine")
+    assert off["CLAWRL_TRAINER__PTX_COEF"] == "0.0"
     assert "CLAWRL_TRAINER__MINI_BATCHES" not in chat
     steps = evalconfig.stack_env(cli.parse_args(["--track", "toolcall", "--mini-batches",
                                                  "4"]), "outcome")

@@ -199,6 +199,8 @@ def parse_args(argv: list[str]) -> EvalConfig:
         raise SystemExit("clawrl eval: --rounds, --sessions, --parallel, --probes, "
                          "--users-per-pref, --batch-size, --mini-batches and --group must be "
                          ">= 1")
+    if min(args.kl_coef, args.ptx_coef) < 0:
+        raise SystemExit("clawrl eval: --kl-coef and --ptx-coef must be >= 0")
     state = load_settings().state_dir
     model = args.model or state / "models" / ("tinyworld-tools" if toolcall else
                                               "tinyworld-ci" if args.small else "tinyworld")

@@ -67,7 +67,7 @@ class EvalConfig:
     kl_coef: float = float(TINYWORLD_RECIPE["kl_coef"])
     # The trainer's `ptx_coef` (trainer/ptx.py): the tiny world's chat corpus mixed into
     # every step; 0: none.
-    ptx_coef: float = float(TINYWORLD_RECIPE.get("ptx_coef", 0.0))
+    ptx_coef: float = float(TINYWORLD_RECIPE["ptx_coef"])
     # The trainer's `reward_baseline`; None: the trainer's default (batch_mean for personal
     # adapters, none for the shared model).
     reward_baseline: str | None = None
@@ -115,6 +115,7 @@ def stack_env(config: EvalConfig, method: str) -> dict[str, str]:
                                                 * config.users_per_pref)),
            "CLAWRL_TRAINER__METHOD": trainer_method(method), "CLAWRL_TRAINER__LR": str(config.lr),
            "CLAWRL_TRAINER__KL_COEF": str(config.kl_coef),
+           "CLAWRL_TRAINER__PTX_COEF": str(config.ptx_coef),
            "CLAWRL_TRAINER__BATCH_SIZE": str(batch),
            "CLAWRL_TRAINER__MICRO_BATCH_SIZE": str(min(8, batch)),
            # Full batches, normally: the eval chats until one is ready (one version per
@@ -123,8 +124,6 @@ def stack_env(config: EvalConfig, method: str) -> dict[str, str]:
            # about the time `max_chats` waves of chat take.
            "CLAWRL_TRAINER__MAX_WAIT_S": str(PARTIAL_AFTER_S), "CLAWRL_TRAINER__POLL_S": "0.5",
            "CLAWRL_TRAINER__SEED": str(config.seed)}
-    if config.ptx_coef > 0:
-        env["CLAWRL_TRAINER__PTX_COEF"] = str(config.ptx_coef)
     if config.mini_batches != 1:
         env["CLAWRL_TRAINER__MINI_BATCHES"] = str(config.mini_batches)
     if config.reward_baseline is not None:
