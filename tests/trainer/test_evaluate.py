@@ -20,8 +20,8 @@ import openai
 import pytest
 from openai import AsyncOpenAI
 
-from trainer.eval import cli, report
 from trainer.config import TINYWORLD_RECIPE
+from trainer.eval import cli, report
 from trainer.eval import config as evalconfig
 from trainer.world.simulate import PeoplePhrasings, SimUser, phrasings
 from trainer.world.town import CORRECTIONS, FRESH_CORRECTIONS, World
