@@ -8,6 +8,7 @@ functions below the entry point receive only `TrainerSettings` (or a part of it)
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Literal
 
@@ -43,8 +44,16 @@ TINYWORLD_RECIPE: dict[str, float | int] = {"lr": 8e-4, "kl_coef": 0.05, "batch_
 
 
 def model_recipe(model_dir: Path) -> dict[str, float | int]:
-    """The training settings a model directory comes with (the tiny world's), else none."""
-    return dict(TINYWORLD_RECIPE) if (model_dir / "tinyworld.json").is_file() else {}
+    """The training settings a model directory comes with (the tiny world's), else none.
+    The tool-call model (its tinyworld.json has `tools`) takes no corpus term: its corpus is
+    mostly the first moves an agent is trained away from (docs/eval.md, the tool-call track)."""
+    info = model_dir / "tinyworld.json"
+    if not info.is_file():
+        return {}
+    recipe = dict(TINYWORLD_RECIPE)
+    if "tools" in json.loads(info.read_text()):
+        del recipe["ptx_coef"]
+    return recipe
 
 
 class TrainerSettings(BaseModel):

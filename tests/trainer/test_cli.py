@@ -143,3 +143,9 @@ def test_the_tiny_world_learns_its_own_corpus_as_ptx_data_unless_given_a_file(
     assert len(got.read_text().splitlines()) == 4000
     monkeypatch.setenv("CLAWRL_TRAINER__PTX_DATA", str(tmp_path / "mine.jsonl"))
     assert resolve_settings(tiny).trainer.ptx_data == tmp_path / "mine.jsonl"
+    # The tool-call model's recipe has no corpus term (its corpus is what agents unlearn).
+    from trainer.config import model_recipe
+
+    assert "ptx_coef" in model_recipe(PREBUILT_CI)
+    assert "ptx_coef" not in model_recipe(PREBUILT_CI.parent / "tinyworld-tools")
+    assert model_recipe(PREBUILT_CI.parent / "tinyworld-tools")["lr"] == model_recipe(PREBUILT_CI)["lr"]

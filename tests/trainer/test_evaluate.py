@@ -353,6 +353,7 @@ def test_the_toolcall_track_defaults_and_its_methods_settings() -> None:
     # The track's recipe has the batch-mean baseline; the chat track leaves it to the
     # trainer (its own default). Several steps per version only when asked for.
     assert envs[0]["CLAWRL_TRAINER__REWARD_BASELINE"] == evalconfig.TOOLCALL_BASELINE
+    assert envs[0]["CLAWRL_TRAINER__PTX_COEF"] == str(evalconfig.TOOLCALL_PTX) == "0.0"
     chat = evalconfig.stack_env(cli.parse_args([]), "combine")
     assert "CLAWRL_TRAINER__REWARD_BASELINE" not in chat
     # The corpus term is the recipe's unless asked otherwise, and always said explicitly.

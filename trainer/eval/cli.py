@@ -56,6 +56,7 @@ from trainer.eval.config import (
     TOOLCALL_BASELINE,
     TOOLCALL_LR,
     TOOLCALL_METHODS,
+    TOOLCALL_PTX,
     TRACKS,
     EvalConfig,
 )
@@ -106,9 +107,10 @@ def parse_args(argv: list[str]) -> EvalConfig:
     p.add_argument("--adapter-lr", type=float, default=EvalConfig.adapter_lr,
                    help="--personal: the per-user adapters' learning rate")
     p.add_argument("--kl-coef", type=float, default=EvalConfig.kl_coef)
-    p.add_argument("--ptx-coef", type=float, default=EvalConfig.ptx_coef,
-                   help="weight of the tiny world's own chat corpus mixed into every step "
-                        "(the trainer's ptx_coef, trainer/ptx.py); 0: none")
+    p.add_argument("--ptx-coef", type=float, default=None,
+                   help="weight of the tiny world's own corpus mixed into every step (the "
+                        f"trainer's ptx_coef, trainer/ptx.py; default {EvalConfig.ptx_coef}, "
+                        f"--track toolcall: {TOOLCALL_PTX}); 0: none")
     p.add_argument("--mini-batches", type=int, default=EvalConfig.mini_batches,
                    help="optimizer steps per version, each on a slice of the batch (the "
                         "trainer's mini_batches)")
@@ -151,6 +153,8 @@ def parse_args(argv: list[str]) -> EvalConfig:
                          "--prefs, --followups")
     if args.lr is None:
         args.lr = TOOLCALL_LR if toolcall else EvalConfig.lr
+    if args.ptx_coef is None:
+        args.ptx_coef = TOOLCALL_PTX if toolcall else EvalConfig.ptx_coef
     if args.reward_baseline is None and toolcall:
         args.reward_baseline = TOOLCALL_BASELINE
     if toolcall and args.proxy_url:
