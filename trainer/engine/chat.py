@@ -97,7 +97,7 @@ def prompt_ids(engine: Engine, req: ChatCompletionRequest) -> list[int]:
             prefix = messages.pop()["content"]
         else:
             messages[-1] = {"role": "user", "content": messages[-1]["content"]}
-    tools = req.tools if req.tools and req.tool_choice != "none" else None
+    tools: Any = req.tools if req.tools and req.tool_choice != "none" else None
     try:
         text = engine.tokenizer.apply_chat_template(
             messages, tools=tools, tokenize=False, add_generation_prompt=True,

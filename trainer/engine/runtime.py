@@ -112,8 +112,9 @@ def load_model(path: str | Path, *, device: str, dtype: torch.dtype) -> Any:
     """Load an HF causal LM for inference, refusing checkpoints with missing/unexpected keys."""
     from transformers import AutoModelForCausalLM
 
-    model, info = AutoModelForCausalLM.from_pretrained(
+    loaded: Any = AutoModelForCausalLM.from_pretrained(
         str(path), dtype=dtype, output_loading_info=True)
+    model, info = loaded
     bad = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys",
                                                  "mismatched_keys") and v}
     if bad:
@@ -180,13 +181,12 @@ class Engine:
     # ---- text ---------------------------------------------------------------------------
 
     def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> str:
-        text: str = self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
-        return text
+        return str(self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
 
     def token_text(self, token_id: int) -> str:
         """Text of one token on its own (SGLang `return_text_in_logprobs`)."""
         if token_id not in self._token_text:
-            self._token_text[token_id] = self.tokenizer.decode([token_id])
+            self._token_text[token_id] = str(self.tokenizer.decode([token_id]))
         return self._token_text[token_id]
 
     def encode(self, text: str) -> list[int]:

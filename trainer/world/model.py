@@ -165,7 +165,7 @@ def model_config(size: str, vocab_size: int) -> Any:
 
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r} (choose from {', '.join(SIZES)})")
-    dims = SIZES[size]
+    dims: dict[str, Any] = dict(SIZES[size])
     return Qwen2Config(
         vocab_size=vocab_size, intermediate_size=4 * dims["hidden_size"],
         max_position_embeddings=2048, tie_word_embeddings=True, rms_norm_eps=1e-6,
@@ -219,10 +219,10 @@ def save_model_dir(directory: str | Path, model: Any, tokenizer: Tokenizer,
     from transformers import GenerationConfig
     from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    model.generation_config = GenerationConfig(
+    model.generation_config = GenerationConfig(  # type: ignore[no-untyped-call]
         eos_token_id=tokenizer.token_to_id(IM_END), pad_token_id=tokenizer.token_to_id(ENDOFTEXT),
         bos_token_id=None, do_sample=True, temperature=1.0, top_p=1.0,
     )
