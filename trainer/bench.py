@@ -105,7 +105,7 @@ class ReferenceLoop:
             adv = batch.reward[s, None]
             clipped = ratio.clamp(1 - self.cfg.eps_low, 1 + self.cfg.eps_high)
             loss = -(torch.minimum(ratio * adv, clipped * adv) * mask).sum() / n
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call]
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
@@ -153,7 +153,7 @@ def build_random_model(out_dir: Path, tokenizer_dir: Path, *, hidden: int = 512,
         tie_word_embeddings=True, bos_token_id=base.get("bos_token_id"),
         eos_token_id=base.get("eos_token_id"), pad_token_id=base.get("pad_token_id"))
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(conf)
+    model = AutoModelForCausalLM.from_config(conf)  # type: ignore[no-untyped-call]
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out_dir))
     copy_tokenizer_files(tokenizer_dir, out_dir)

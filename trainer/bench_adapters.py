@@ -288,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parse_args(sys.argv[1:] if argv is None else argv)
     torch.set_num_threads(args.threads)
-    hf_logging.disable_progress_bar()
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
     print(f"model {args.model}  threads {args.threads}  rounds {args.rounds}  adapters "
           f"{','.join(map(str, args.adapters))} (rank {LoraSettings().r}, alpha "
           f"{LoraSettings().alpha})", flush=True)

@@ -58,7 +58,9 @@ def token_logprobs(logits: Tensor, input_ids: Tensor) -> Tensor:
     from megatron.core import tensor_parallel
 
     shifted = logits[:, :-1].float().clone()
-    return -tensor_parallel.vocab_parallel_cross_entropy(shifted, input_ids[:, 1:].contiguous())
+    loss: Tensor = -tensor_parallel.vocab_parallel_cross_entropy(
+        shifted, input_ids[:, 1:].contiguous())
+    return loss
 
 
 def replica_micro_batches(

@@ -19,6 +19,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -68,8 +69,8 @@ def run(args: argparse.Namespace, model_dir: Path, scratch: Path) -> dict[str, A
     tokens = int(batch.attention_mask.sum())
     common = dict(lr=1e-5, batch_size=args.batch, micro_batch_size=args.micro_batch,
                   kl_coef=0.0, device="cpu")
-    torch_backend = TorchBackend(TrainerSettings(backend="torch", **common))  # type: ignore[arg-type]
-    megatron = MegatronBackend(TrainerSettings(backend="megatron", **common))  # type: ignore[arg-type]
+    torch_backend = TorchBackend(TrainerSettings(backend="torch", **common))
+    megatron = MegatronBackend(TrainerSettings(backend="megatron", **common))
     try:
         torch_backend.load(model_dir)
         megatron.load(model_dir)
@@ -81,12 +82,12 @@ def run(args: argparse.Namespace, model_dir: Path, scratch: Path) -> dict[str, A
         for r in range(args.rounds):
             order = list(backends) if r % 2 == 0 else list(reversed(backends))
             for name in order:
-                times[name].append(_timed(lambda b=backends[name]: b.train_step(batch)))
+                times[name].append(_timed(partial(backends[name].train_step, batch)))
         exports: dict[str, list[float]] = {name: [] for name in backends}
         for r in range(3):
             for name, backend in backends.items():
                 out = scratch / f"export-{name}-{r}"
-                exports[name].append(_timed(lambda b=backend, o=out: b.export(o)))
+                exports[name].append(_timed(partial(backend.export, out)))
     finally:
         megatron.close()
     tps = {name: tokens / statistics.median(t) for name, t in times.items()}

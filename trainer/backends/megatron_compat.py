@@ -119,7 +119,7 @@ def _patch_torch_cuda() -> None:
         return
     cpu = torch.device("cpu")
     torch.cuda.current_device = lambda: cpu  # type: ignore[assignment,return-value]
-    torch.cuda.synchronize = lambda device=None: None  # type: ignore[assignment]
+    torch.cuda.synchronize = lambda device=None: None
     torch.cuda.empty_cache = lambda: None
     torch.cuda.device_count = lambda: 0
     _PATCHED = True

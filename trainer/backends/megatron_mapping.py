@@ -27,6 +27,7 @@ the exception: each rank holds `[gate_r; up_r]`, so gate and up are split separa
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -175,7 +176,7 @@ def build_model(hf: Any, config: Any) -> Any:
         parallel_output=True,
         share_embeddings_and_output_weights=bool(hf.tie_word_embeddings),
         position_embedding_type="rope",
-        rotary_base=_rope_theta(hf),  # type: ignore[arg-type]  # annotated int, float works
+        rotary_base=_rope_theta(hf),
     )
     mark_tensor_parallel(model)
     pad = getattr(hf, "pad_token_id", None)
@@ -275,7 +276,7 @@ def parallel_dim(name: str) -> int | None:
 
 def hf_to_megatron(
     hf: Any,
-    hf_state: dict[str, Tensor],
+    hf_state: Mapping[str, Tensor],
     names: list[str],
     layer_offset: int,
     tp: int = 1,
@@ -312,7 +313,7 @@ def _layer(name: str, layer_offset: int) -> tuple[str, str]:
     return f"model.layers.{int(index) + layer_offset}.", rest
 
 
-def _hf_full_tensor(hf: Any, s: dict[str, Tensor], name: str, offset: int) -> Tensor:
+def _hf_full_tensor(hf: Any, s: Mapping[str, Tensor], name: str, offset: int) -> Tensor:
     if name == "embedding.word_embeddings.weight":
         return s["model.embed_tokens.weight"]
     if name == "output_layer.weight":

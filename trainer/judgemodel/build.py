@@ -214,7 +214,7 @@ def build_adapter(state_dir: Path, cfg: BuildConfig, out: Path = ADAPTER_DIR,
     base = base_dir(state_dir)
     tokenizer = AutoTokenizer.from_pretrained(base)
     tokenizer.chat_template = CHAT_TEMPLATE
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    model: Any = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     n_layers = model.config.num_hidden_layers
     split = n_layers - cfg.layers
     if stage is None:
@@ -265,7 +265,7 @@ def build_adapter(state_dir: Path, cfg: BuildConfig, out: Path = ADAPTER_DIR,
                 for group in opt.param_groups:
                     group["lr"] = lr_at(step)
                 loss = answer_loss(model, b)
-                loss.backward()
+                loss.backward()  # type: ignore[no-untyped-call]
                 torch.nn.utils.clip_grad_norm_(params, 1.0)
                 opt.step()
                 opt.zero_grad(set_to_none=True)

@@ -74,7 +74,7 @@ def generate(model: Any, tokenizer: Any, prompts: list[list[Message]], temperatu
     sampling = {"do_sample": True, "temperature": temperature, "top_p": 1.0, "top_k": 0} \
         if temperature > 0 else {"do_sample": False}
     config = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=eos,
-                              pad_token_id=pad, **sampling)
+                              pad_token_id=pad, **sampling)  # type: ignore[no-untyped-call]
     out: list[str] = []
     for i in range(0, len(prompts), batch_size):
         chunk = [tokenizer.encode(render(p) if render else

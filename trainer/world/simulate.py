@@ -74,9 +74,9 @@ class PeoplePhrasings:
     def __init__(self, path: Path = PEOPLE_FOLLOWUPS) -> None:
         items = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()
                  if line.strip()]
-        self.praises = [i["text"] for i in items if i["kind"] == "praise"]
-        self.move_ons = [i["text"] for i in items if i["kind"] == "move_on"]
-        self.facts = [i["text"] for i in items if i["kind"] == "fact"]
+        self.praises: list[str] = [i["text"] for i in items if i["kind"] == "praise"]
+        self.move_ons: list[str] = [i["text"] for i in items if i["kind"] == "move_on"]
+        self.facts: list[str] = [i["text"] for i in items if i["kind"] == "fact"]
         self.styles: dict[str, list[str]] = {}
         for i in items:
             if i["kind"] == "style":
