@@ -99,6 +99,16 @@ class TrainerSettings(BaseModel):
     ptx_coef: float = Field(default=0.0, ge=0)
     ptx_data: Path | None = None
     ptx_batch_size: int = Field(default=16, ge=1)
+    # Replaying what was accepted (trainer/data.py `replay_batch`, self-imitation): γ_r times
+    # the mean negative log-likelihood of up to `replay_size` earlier trained samples the judge
+    # rated +1 (the user took the reply: no correction of style or fact followed), drawn at
+    # random from the newest `replay_window` of them — in personal mode the user's own only —
+    # added to every optimizer step; 0 disables it. A corpus term in the users' own style:
+    # it protects what they accepted, facts included, instead of pulling toward the corpus's
+    # mixed styles. Torch backend only.
+    replay_coef: float = Field(default=0.0, ge=0)
+    replay_size: int = Field(default=16, ge=1)
+    replay_window: int = Field(default=256, ge=1)
     grad_clip: float = Field(default=1.0, gt=0)
 
     # Batching: `batch_size` samples per optimizer step, processed `micro_batch_size` at a
@@ -156,6 +166,9 @@ class TrainerSettings(BaseModel):
                              "the torch backend")
         if self.ptx_coef > 0 and self.backend != "torch":
             raise ValueError("the pretraining-data term (ptx_coef > 0) needs the torch backend")
+        if self.replay_coef > 0 and self.backend != "torch":
+            raise ValueError("replaying accepted samples (replay_coef > 0) needs the torch "
+                             "backend")
         if self.personal and self.backend != "torch":
             raise ValueError("personal mode (one LoRA adapter per user) needs the torch backend")
         if self.personal and not self.lora.enabled:

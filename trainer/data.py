@@ -22,6 +22,7 @@ stores the outcome each trained sample saw in `samples.outcome`.
 from __future__ import annotations
 
 import math
+import random
 import re
 import time
 from collections import Counter
@@ -47,6 +48,7 @@ from sqlalchemy.engine import Connection, Engine
 from proxy.db import ChatSession, PolicyVersion, Sample, TrainingStep, Turn, User
 from trainer.config import TrainerSettings
 from trainer.loss import group_baseline, mix_rewards, reward_baseline
+from trainer.ptx import PtxExample
 
 SAMPLES = cast(Table, Sample.__table__)
 STEPS = cast(Table, TrainingStep.__table__)
@@ -269,6 +271,37 @@ def _select_ready(limit: int, outcome_wait_s: float = 0.0, user_id: int | None =
     if user_id is not None:  # personal mode: one user's samples only
         query = query.where(SAMPLES.c.user_id == user_id)
     return query
+
+
+def replay_batch(db: Engine, cfg: TrainerSettings, rng: random.Random,
+                 user_id: int | None = None) -> list[PtxExample]:
+    """Up to `cfg.replay_size` earlier trained samples the judge rated +1, drawn with `rng` from
+    the newest `cfg.replay_window` of them (of `user_id` only, when given: personal mode), as
+    supervised examples (the loss on the response tokens). Users who opted out since are left
+    out. [] when there are none yet (a new user's first step)."""
+    query = (
+        select(SAMPLES.c.prompt_ids, SAMPLES.c.response_ids)
+        .join(USERS, USERS.c.id == SAMPLES.c.user_id)
+        .where(SAMPLES.c.trained_step.is_not(None), SAMPLES.c.reward > 0,
+               USERS.c.train_opt_out.is_(False))
+        .order_by(SAMPLES.c.id.desc())
+        .limit(cfg.replay_window))
+    if user_id is not None:
+        query = query.where(SAMPLES.c.user_id == user_id)
+    with db.connect() as conn:
+        rows = conn.execute(query).all()
+    picked = rng.sample(rows, min(cfg.replay_size, len(rows)))
+    return [PtxExample(ids=[*r.prompt_ids, *r.response_ids],
+                       mask=[0] * (len(r.prompt_ids) - 1) + [1] * len(r.response_ids))
+            for r in picked]
+
+
+def replay_of(db: Engine, cfg: TrainerSettings, step: int,
+              user_id: int | None = None) -> list[PtxExample] | None:
+    """Step `step`'s replayed samples (seeded by the step), or None when replay is off."""
+    if cfg.replay_coef <= 0:
+        return None
+    return replay_batch(db, cfg, random.Random(f"replay-{cfg.seed}-{step}"), user_id)
 
 
 def claim_batch(

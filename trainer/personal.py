@@ -52,7 +52,7 @@ from proxy.engine_client import absent_adapter
 from proxy.settings import EngineSettings
 from trainer.backends.torch import TorchBackend
 from trainer.config import Settings
-from trainer.data import STEPS, Claim, claim_batch, record_step
+from trainer.data import STEPS, Claim, claim_batch, record_step, replay_of
 from trainer.publish import engine_client
 
 log = logging.getLogger("clawrl.trainer")
@@ -384,7 +384,7 @@ def train_user(settings: Settings, db: Engine, backend: TorchBackend, user_id: i
     version = next_version(db, user_id)
     path = adapter_dir(settings.weights_dir(), user_id, version)
     try:
-        stats = backend.train_step(claim.batch)
+        stats = backend.train_step(claim.batch, replay_of(db, cfg, step, user_id))
         if stats.status == "ok":
             if path.exists():  # a try killed before its commit left it
                 shutil.rmtree(path)

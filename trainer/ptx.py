@@ -147,16 +147,21 @@ class PtxBatches:
 
     def next(self) -> tuple[Tensor, Tensor, Tensor]:
         """input_ids [b, L], attention_mask [b, L] (right padding), loss mask [b, L − 1]."""
-        picked = [self.examples[self._next_index()] for _ in range(self.batch_size)]
-        width = max(len(e.ids) for e in picked)
-        ids = torch.full((len(picked), width), self.pad_id, dtype=torch.long)
-        attn = torch.zeros((len(picked), width), dtype=torch.long)
-        mask = torch.zeros((len(picked), width - 1))
-        for b, e in enumerate(picked):
-            ids[b, :len(e.ids)] = torch.tensor(e.ids)
-            attn[b, :len(e.ids)] = 1
-            mask[b, :len(e.mask)] = torch.tensor(e.mask, dtype=mask.dtype)
-        return ids, attn, mask
+        return pad_examples([self.examples[self._next_index()] for _ in range(self.batch_size)],
+                            self.pad_id)
+
+
+def pad_examples(picked: list[PtxExample], pad_id: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+    """input_ids [b, L], attention_mask [b, L] (right padding), loss mask [b, L − 1]."""
+    width = max(len(e.ids) for e in picked)
+    ids = torch.full((len(picked), width), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(picked), width), dtype=torch.long)
+    mask = torch.zeros((len(picked), width - 1))
+    for b, e in enumerate(picked):
+        ids[b, :len(e.ids)] = torch.tensor(e.ids)
+        attn[b, :len(e.ids)] = 1
+        mask[b, :len(e.mask)] = torch.tensor(e.mask, dtype=mask.dtype)
+    return ids, attn, mask
 
 
 def write_tinyworld_ptx(model_dir: Path, out: Path, examples: int = 4000) -> Path:

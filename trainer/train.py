@@ -45,7 +45,7 @@ from trainer.checkpoint import (
     save_checkpoint,
 )
 from trainer.config import Settings, TrainerSettings, load_settings, model_recipe
-from trainer.data import VERSIONS, Claim, claim_batch, record_step
+from trainer.data import VERSIONS, Claim, claim_batch, record_step, replay_of
 from trainer.export import CheckpointError, version_dir
 from trainer.metrics import TrainerMetrics
 from trainer.ptx import write_tinyworld_ptx
@@ -214,7 +214,7 @@ def run_steps(settings: Settings, db: Engine, backend: Backend, metrics: Trainer
             continue
         try:
             # 2. train
-            stats = backend.train_step(claim.batch)
+            stats = backend.train_step(claim.batch, replay_of(db, cfg, step))
             # 3. save (ok steps only)
             path = None
             t0 = time.perf_counter()

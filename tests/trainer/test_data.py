@@ -2,15 +2,25 @@
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import insert, select
 from sqlalchemy.engine import Engine
 
-from proxy.db import PolicyVersion, TrainingStep
+from proxy.db import PolicyVersion, Sample, TrainingStep, User
 from trainer.config import TrainerSettings
-from trainer.data import ModelLimits, claim_batch, collate, parse_version, record_step
+from trainer.data import (
+    ModelLimits,
+    claim_batch,
+    collate,
+    parse_version,
+    record_step,
+    replay_batch,
+    replay_of,
+)
+from trainer.ptx import PtxExample
 
 SampleFactory = Callable[..., int]
 States = Callable[[], dict[int, Any]]
@@ -155,3 +165,46 @@ def test_nonfinite_step_marks_samples_skipped_not_trained(
     record_step(claim, step=dict(step=3, status="skipped", num_samples=2, num_tokens=4),
                 version=None, trained=False)
     assert sample_state() == {i: (None, "nonfinite: step 3") for i in ids}
+
+
+def test_replay_draws_the_users_accepted_trained_samples_only(
+        db: Engine, add_sample: SampleFactory) -> None:
+    accepted = [add_sample(trained_step=1, reward=1, response_ids=[10 + i, 20])
+                for i in range(4)]
+    with db.connect() as conn:
+        alice = conn.execute(select(Sample.__table__.c.user_id)
+                             .where(Sample.__table__.c.id == accepted[0])).scalar_one()
+    with db.begin() as conn:
+        bob = conn.execute(insert(User.__table__).values(name="bob")
+                           .returning(User.__table__.c.id)).scalar_one()
+    add_sample(trained_step=1, reward=-1, response_ids=[30, 20])  # corrected
+    add_sample(trained_step=1, reward=0, response_ids=[31, 20])   # neither
+    add_sample(reward=1, response_ids=[32, 20])                   # not trained yet
+    add_sample(trained_step=1, reward=1, response_ids=[33, 20], user_id=bob)
+    add_sample(trained_step=1, reward=1, response_ids=[34, 20], opt_out=True)
+
+    def first_tokens(picked: list[PtxExample]) -> list[int]:
+        return sorted(e.ids[3] for e in picked)
+
+    rng = random.Random(0)
+    mine = replay_batch(db, cfg(replay_size=16), rng, user_id=alice)
+    assert first_tokens(mine) == [10, 11, 12, 13]
+    # The loss falls on the response only: prompt [1, 3, 4], response [t, 20].
+    assert all(e.ids[:3] == [1, 3, 4] and e.mask == [0, 0, 1, 1] for e in mine)
+    assert first_tokens(replay_batch(db, cfg(replay_size=16), rng, user_id=bob)) == [33]
+    # Shared mode: everyone's who still allows training.
+    assert first_tokens(replay_batch(db, cfg(replay_size=16), rng)) == [10, 11, 12, 13, 33]
+    # At most replay_size, from the newest replay_window.
+    assert first_tokens(replay_batch(db, cfg(replay_size=16, replay_window=2), rng,
+                                     user_id=alice)) == [12, 13]
+    assert len(set(map(tuple, (e.ids for e in
+                               replay_batch(db, cfg(replay_size=3), rng, user_id=alice))))) == 3
+    # Off, or nothing accepted yet: nothing to replay.
+    assert replay_of(db, cfg(), step=7, user_id=alice) is None
+    with db.begin() as conn:
+        carol = conn.execute(insert(User.__table__).values(name="carol")
+                             .returning(User.__table__.c.id)).scalar_one()
+    assert replay_of(db, cfg(replay_coef=0.5), step=7, user_id=carol) == []
+    # Seeded by the step: a retried step replays the same samples.
+    assert replay_of(db, cfg(replay_coef=0.5, replay_size=2), 7, alice) == \
+        replay_of(db, cfg(replay_coef=0.5, replay_size=2), 7, alice)

@@ -83,14 +83,19 @@ def test_each_user_trains_and_is_served_their_own_adapter_in_turn(
     ann_ids = add_user_samples(add_sample, url, ann, 12, reward=[1, 1, -1])
     ben_ids = add_user_samples(add_sample, url, ben, 4, reward=[-1, 1])
     settings = personal_settings(tmp_path, db_url, url, tiny_model_dir)
+    # Replaying accepted samples: each step also trains on its own user's earlier +1 samples.
+    settings.trainer = settings.trainer.model_copy(update={"replay_coef": 0.5})
     assert train_personal(settings, max_steps=4) == 4
 
     # In turn: Ann's oldest batch, then Ben (never trained), then Ann twice; Ben's batch did
     # not wait behind all of Ann's.
-    steps = rows(db, "SELECT step, user_id, num_samples, version FROM training_steps "
-                     "ORDER BY step")
+    steps = rows(db, "SELECT step, user_id, num_samples, version, "
+                     "metrics->>'replay_nll' AS replay FROM training_steps ORDER BY step")
     assert [(s.user_id, s.num_samples, s.version) for s in steps] == \
         [(ann, 4, None), (ben, 4, None), (ann, 4, None), (ann, 4, None)]
+    # Replay draws from the step's own user only: Ann's first step and Ben's (Ann's accepted
+    # samples were trained by then) have nothing to replay; Ann's later steps do.
+    assert [s.replay is not None for s in steps] == [False, False, True, True]
     # Every sample was trained by a step of its own user's adapter, and only there.
     crossed = rows(db, "SELECT s.id FROM samples s JOIN training_steps t "
                        "ON t.step = s.trained_step WHERE t.user_id <> s.user_id")

@@ -14,7 +14,15 @@ from trainer.backends.base import BackendError
 from trainer.backends.torch import TorchBackend
 from trainer.config import TrainerSettings
 from trainer.loss import gather_logprobs
-from trainer.ptx import PtxBatches, PtxDataError, encode_line, load_examples, write_tinyworld_ptx
+from trainer.ptx import (
+    PtxBatches,
+    PtxDataError,
+    PtxExample,
+    encode_line,
+    load_examples,
+    pad_examples,
+    write_tinyworld_ptx,
+)
 
 CHAT = [{"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Where does Ada live?"},
@@ -170,3 +178,43 @@ def test_tool_calls_in_openai_form_are_trained_and_tool_results_are_not(
     assert 60 < len(with_tools) < 140 and all(
         any(m.get("tool_calls") for m in r["messages"]) for r in with_tools)
     assert len(load_examples(write_lines(tmp_path / "few.jsonl", with_tools[:5]), tok, 512)) == 5
+
+
+def test_replayed_samples_are_trained_and_reported(tiny_model_dir: Path) -> None:
+    """A step with accepted samples replayed (trainer/data.py `replay_batch`) raises their
+    likelihood more than the same step without, and reports their NLL; without replay_coef,
+    replay is ignored."""
+    from tests.trainer.test_backend import on_policy_batch
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    prompt = tok.encode(tok.apply_chat_template(
+        [{"role": "user", "content": "Where does Ada live?"}], add_generation_prompt=True,
+        tokenize=False), add_special_tokens=False)
+    response = tok.encode("ada lives in porto.", add_special_tokens=False)
+    accepted = [PtxExample(ids=prompt + response,
+                           mask=[0] * (len(prompt) - 1) + [1] * len(response))] * 4
+    probe = pad_examples(accepted)
+
+    def nll(b: TorchBackend) -> float:
+        ids, attn, mask = probe
+        assert b.model is not None
+        with torch.no_grad():
+            logits = b.model(input_ids=ids, attention_mask=attn).logits
+        return float(-(gather_logprobs(logits, ids) * mask).sum() / mask.sum())
+
+    results = {}
+    for coef in (0.0, 5.0):
+        torch.manual_seed(0)
+        b = TorchBackend(TrainerSettings(batch_size=4, micro_batch_size=2, kl_coef=0.0,
+                                         lr=1e-3, device="cpu", replay_coef=coef))
+        b.load(tiny_model_dir)
+        before = nll(b)
+        stats = b.train_step(on_policy_batch(b, [1, -1, 1, 0]), replay=accepted)
+        assert stats.status == "ok"
+        results[coef] = (before, nll(b), stats.extra.get("replay_nll"))
+    (before0, after0, none), (before5, after5, reported) = results[0.0], results[5.0]
+    assert none is None and before0 == pytest.approx(before5)
+    assert reported == pytest.approx(before5, rel=1e-4)
+    assert after5 < before5 - 0.05 and after5 < after0 - 0.05
+    with pytest.raises(ValidationError, match="needs the torch backend"):
+        TrainerSettings(replay_coef=0.1, backend="megatron")

@@ -34,6 +34,7 @@ from torch import Tensor
 from trainer.config import TrainerSettings
 from trainer.data import Batch, ModelLimits
 from trainer.loss import LossTerms, compute_advantages, policy_loss
+from trainer.ptx import PtxExample
 
 
 class BackendError(Exception):
@@ -74,7 +75,7 @@ class Backend(Protocol):
 
     def compute_logprobs(self, batch: Batch) -> Tensor: ...
 
-    def train_step(self, batch: Batch) -> StepStats: ...
+    def train_step(self, batch: Batch, replay: list[PtxExample] | None = None) -> StepStats: ...
 
     def export(self, out_dir: Path) -> None: ...
 

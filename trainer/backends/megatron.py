@@ -57,6 +57,7 @@ from trainer.backends.megatron_mapping import (
 from trainer.config import TrainerSettings
 from trainer.data import Batch, ModelLimits
 from trainer.loss import entropy_from_logits
+from trainer.ptx import PtxExample
 
 STATS = ("loss", "pg", "kl", "ent", "ratio", "clip", "tokens")
 
@@ -184,7 +185,8 @@ class MegatronBackend:
         result: Tensor = self._call("compute_logprobs", batch)
         return result
 
-    def train_step(self, batch: Batch) -> StepStats:
+    def train_step(self, batch: Batch, replay: list[PtxExample] | None = None) -> StepStats:
+        # `replay` is refused at config time (replay_coef > 0 needs the torch backend).
         stats: StepStats = self._call("train_step", batch)
         return stats
 

@@ -25,7 +25,7 @@ from trainer.backends.base import BackendError, StepStats, micro_batch_loss, sig
 from trainer.config import TrainerSettings
 from trainer.data import Batch, ModelLimits
 from trainer.loss import entropy_from_logits, gather_logprobs
-from trainer.ptx import PtxBatches, PtxDataError, load_examples
+from trainer.ptx import PtxBatches, PtxDataError, PtxExample, load_examples, pad_examples
 
 OPTIMIZER_FILE = "optimizer.pt"
 ADAPTER_FILE = "adapter.pt"
@@ -148,19 +148,22 @@ class TorchBackend:
         return torch.cat(parts)
 
     # -- the step ----------------------------------------------------------------------------
-    def train_step(self, batch: Batch) -> StepStats:
+    def train_step(self, batch: Batch, replay: list[PtxExample] | None = None) -> StepStats:
         """One version's training on a claimed batch: `epochs` passes over it, each in
         `mini_batches` optimizer steps on a slice of it (1 and 1: one step on the whole
         batch). After the first step the policy has moved from the one that sampled the
         batch; the ratio and its clip range (trainer/loss.py) bound how far the later steps
         go, as in PPO. A non-finite step is dropped (its gradients, not the earlier steps);
-        the version is 'skipped' only when every step was."""
+        the version is 'skipped' only when every step was. `replay`: accepted samples
+        (trainer/data.py `replay_batch`) whose likelihood every step keeps up, by `replay_coef`."""
         cfg = self.cfg
+        replayed = (pad_examples(replay)
+                    if replay and cfg.replay_coef > 0 else None)
         if cfg.mini_batches == 1 and cfg.epochs == 1:
-            return self._update(batch)
+            return self._update(batch, replayed)
         started = time.perf_counter()
         parts = batch.micro_batches(-(-batch.size // cfg.mini_batches))
-        done = [self._update(part) for _ in range(cfg.epochs) for part in parts]
+        done = [self._update(part, replayed) for _ in range(cfg.epochs) for part in parts]
         ok = [d for d in done if d.status == "ok"]
         num_tokens = int(signal_mask(cfg, batch).sum())
         if not ok:
@@ -183,9 +186,12 @@ class TorchBackend:
             grad_norm=max(d.grad_norm or 0.0 for d in ok),
             extra={"updates": len(ok), "updates_skipped": len(done) - len(ok)}
             | ({"ptx_nll": sum(d.extra["ptx_nll"] for d in ok) / len(ok)}
-               if self.ptx is not None else {}))
+               if self.ptx is not None else {})
+            | ({"replay_nll": sum(d.extra["replay_nll"] for d in ok) / len(ok)}
+               if replayed is not None else {}))
 
-    def _update(self, batch: Batch) -> StepStats:
+    def _update(self, batch: Batch,
+                replayed: tuple[Tensor, Tensor, Tensor] | None = None) -> StepStats:
         """One optimizer step on `batch` (gradient accumulation over its micro batches)."""
         model, opt = self._model(), self.optimizer
         assert opt is not None
@@ -214,11 +220,14 @@ class TorchBackend:
             sums["ratio"] += terms.ratio_sum
             sums["clip"] += terms.clipped_low + terms.clipped_high
             abs_lr_max = max(abs_lr_max, terms.abs_log_ratio_max)
-        ptx_nll: float | None = None
+        extra: dict[str, float] = {}
         if bad is None and self.ptx is not None:
-            ptx_nll = self._ptx_backward(model)
-            if not math.isfinite(ptx_nll):
-                bad = f"non-finite ptx loss ({ptx_nll})"
+            extra["ptx_nll"] = self._nll_backward(model, self.ptx.next(), self.cfg.ptx_coef)
+        if bad is None and replayed is not None:
+            extra["replay_nll"] = self._nll_backward(model, replayed, self.cfg.replay_coef)
+        for name, value in extra.items():
+            if not math.isfinite(value):
+                bad = f"non-finite {name.removesuffix('_nll')} loss ({value})"
         grad_norm = None
         if bad is None:
             params = [p for p in model.parameters() if p.requires_grad]
@@ -241,13 +250,14 @@ class TorchBackend:
             kl=sums["kl"] / n, entropy=sums["ent"] / n if self.cfg.entropy_coef > 0 else None,
             ratio_mean=sums["ratio"] / n, clip_frac=sums["clip"] / n,
             abs_log_ratio_max=abs_lr_max, grad_norm=grad_norm,
-            extra={} if ptx_nll is None else {"ptx_nll": ptx_nll})
+            extra=extra)
 
-    def _ptx_backward(self, model: torch.nn.Module) -> float:
-        """Accumulate γ · the token-mean NLL of one ptx batch (trainer/ptx.py) into the
-        gradients, in micro batches; returns the batch's mean NLL."""
-        assert self.ptx is not None
-        ids, attn, mask = self.ptx.next()
+    def _nll_backward(self, model: torch.nn.Module, tensors: tuple[Tensor, Tensor, Tensor],
+                      coef: float) -> float:
+        """Accumulate coef · the token-mean NLL of one supervised batch (a ptx batch,
+        trainer/ptx.py, or replayed samples) into the gradients, in micro batches; returns
+        the batch's mean NLL (NaN, with nothing accumulated further, once it is not finite)."""
+        ids, attn, mask = tensors
         total = float(mask.sum()) or 1.0
         nll_sum = 0.0
         step = self.cfg.micro_batch_size
@@ -259,7 +269,7 @@ class TorchBackend:
             nll = -(gather_logprobs(logits, micro_ids) * micro_mask).sum()
             if not math.isfinite(float(nll.detach())):
                 return float("nan")
-            (self.cfg.ptx_coef * nll / total).backward()  # type: ignore[no-untyped-call]
+            (coef * nll / total).backward()  # type: ignore[no-untyped-call]
             nll_sum += float(nll.detach())
         return nll_sum / total
 
