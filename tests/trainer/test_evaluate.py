@@ -331,7 +331,8 @@ def test_several_seeds_table_shows_the_mean_and_curve_the_band(tmp_path: Path) -
     (["--track", "toolcall", "--proxy-url", "http://p", "--engine-url", "http://e"],
      "--track toolcall starts its own stacks"),
     (["--track", "tools"], "invalid choice: 'tools'"),
-    (["--ptx-coef", "-0.1"], "--kl-coef and --ptx-coef must be >= 0"),
+    (["--ptx-coef", "-0.1"], "--kl-coef, --ptx-coef and --replay-coef must be >= 0"),
+    (["--replay-coef", "-1"], "--kl-coef, --ptx-coef and --replay-coef must be >= 0"),
 ])
 def test_bad_arguments_are_one_clear_line(argv: list[str], message: str,
                                           capsys: pytest.CaptureFixture[str]) -> None:
@@ -360,6 +361,10 @@ def test_the_toolcall_track_defaults_and_its_methods_settings() -> None:
     assert chat["CLAWRL_TRAINER__PTX_COEF"] == str(TINYWORLD_RECIPE["ptx_coef"])
     off = evalconfig.stack_env(cli.parse_args(["--ptx-coef", "0"]), "combine")
     assert off["CLAWRL_TRAINER__PTX_COEF"] == "0.0"
+    # Replay is off unless asked for, and always said explicitly too.
+    assert chat["CLAWRL_TRAINER__REPLAY_COEF"] == "0.0"
+    assert evalconfig.stack_env(cli.parse_args(["--replay-coef", "0.5"]),
+                                "combine")["CLAWRL_TRAINER__REPLAY_COEF"] == "0.5"
     assert "CLAWRL_TRAINER__MINI_BATCHES" not in chat
     steps = evalconfig.stack_env(cli.parse_args(["--track", "toolcall", "--mini-batches",
                                                  "4"]), "outcome")

@@ -111,6 +111,9 @@ def parse_args(argv: list[str]) -> EvalConfig:
                    help="weight of the tiny world's own corpus mixed into every step (the "
                         f"trainer's ptx_coef, trainer/ptx.py; default {EvalConfig.ptx_coef}, "
                         f"--track toolcall: {TOOLCALL_PTX}); 0: none")
+    p.add_argument("--replay-coef", type=float, default=EvalConfig.replay_coef,
+                   help="weight of the accepted samples replayed in every step (the trainer's "
+                        "replay_coef, trainer/data.py replay_batch); 0: none")
     p.add_argument("--mini-batches", type=int, default=EvalConfig.mini_batches,
                    help="optimizer steps per version, each on a slice of the batch (the "
                         "trainer's mini_batches)")
@@ -203,8 +206,8 @@ def parse_args(argv: list[str]) -> EvalConfig:
         raise SystemExit("clawrl eval: --rounds, --sessions, --parallel, --probes, "
                          "--users-per-pref, --batch-size, --mini-batches and --group must be "
                          ">= 1")
-    if min(args.kl_coef, args.ptx_coef) < 0:
-        raise SystemExit("clawrl eval: --kl-coef and --ptx-coef must be >= 0")
+    if min(args.kl_coef, args.ptx_coef, args.replay_coef) < 0:
+        raise SystemExit("clawrl eval: --kl-coef, --ptx-coef and --replay-coef must be >= 0")
     state = load_settings().state_dir
     model = args.model or state / "models" / ("tinyworld-tools" if toolcall else
                                               "tinyworld-ci" if args.small else "tinyworld")
@@ -214,7 +217,8 @@ def parse_args(argv: list[str]) -> EvalConfig:
                       sessions=args.sessions, parallel=args.parallel, probes=args.probes,
                       seed=seeds[0], seeds=seeds,
                       lr=args.lr, adapter_lr=args.adapter_lr, kl_coef=args.kl_coef,
-                      ptx_coef=args.ptx_coef, reward_baseline=args.reward_baseline,
+                      ptx_coef=args.ptx_coef, replay_coef=args.replay_coef,
+                      reward_baseline=args.reward_baseline,
                       mini_batches=args.mini_batches, group=args.group,
                       batch_size=args.batch_size,
                       round_timeout_s=args.round_timeout, proxy_url=args.proxy_url,

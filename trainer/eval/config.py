@@ -72,6 +72,9 @@ class EvalConfig:
     # The trainer's `ptx_coef` (trainer/ptx.py): the tiny world's chat corpus mixed into
     # every step; 0: none.
     ptx_coef: float = float(TINYWORLD_RECIPE["ptx_coef"])
+    # The trainer's `replay_coef` (trainer/data.py `replay_batch`): the samples the judge
+    # rated +1 replayed in every step; 0: none.
+    replay_coef: float = 0.0
     # The trainer's `reward_baseline`; None: the trainer's default (batch_mean for personal
     # adapters, none for the shared model).
     reward_baseline: str | None = None
@@ -120,6 +123,7 @@ def stack_env(config: EvalConfig, method: str) -> dict[str, str]:
            "CLAWRL_TRAINER__METHOD": trainer_method(method), "CLAWRL_TRAINER__LR": str(config.lr),
            "CLAWRL_TRAINER__KL_COEF": str(config.kl_coef),
            "CLAWRL_TRAINER__PTX_COEF": str(config.ptx_coef),
+           "CLAWRL_TRAINER__REPLAY_COEF": str(config.replay_coef),
            "CLAWRL_TRAINER__BATCH_SIZE": str(batch),
            "CLAWRL_TRAINER__MICRO_BATCH_SIZE": str(min(8, batch)),
            # Full batches, normally: the eval chats until one is ready (one version per
