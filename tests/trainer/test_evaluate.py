@@ -366,6 +366,12 @@ def test_the_toolcall_track_defaults_and_its_methods_settings() -> None:
     assert evalconfig.stack_env(cli.parse_args(["--replay-coef", "0.5"]),
                                 "combine")["CLAWRL_TRAINER__REPLAY_COEF"] == "0.5"
     assert "CLAWRL_TRAINER__MINI_BATCHES" not in chat
+    # Versions are full batches on any machine; only opd's may be partial.
+    assert chat["CLAWRL_TRAINER__MAX_WAIT_S"] == envs[0]["CLAWRL_TRAINER__MAX_WAIT_S"] == \
+        str(evalconfig.FULL_BATCH_WAIT_S)
+    for partial in (evalconfig.stack_env(cli.parse_args([]), "opd"),
+                    evalconfig.stack_env(cli.parse_args(["--small"]), "combine")):
+        assert partial["CLAWRL_TRAINER__MAX_WAIT_S"] == str(evalconfig.PARTIAL_AFTER_S)
     steps = evalconfig.stack_env(cli.parse_args(["--track", "toolcall", "--mini-batches",
                                                  "4"]), "outcome")
     assert steps["CLAWRL_TRAINER__MINI_BATCHES"] == "4"

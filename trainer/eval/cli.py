@@ -220,7 +220,7 @@ def parse_args(argv: list[str]) -> EvalConfig:
                       ptx_coef=args.ptx_coef, replay_coef=args.replay_coef,
                       reward_baseline=args.reward_baseline,
                       mini_batches=args.mini_batches, group=args.group,
-                      batch_size=args.batch_size,
+                      batch_size=args.batch_size, full_batches=not args.small,
                       round_timeout_s=args.round_timeout, proxy_url=args.proxy_url,
                       keep_db=args.keep_db, followups=args.followups,
                       engine_url=args.engine_url, judge_engine=args.judge_engine,

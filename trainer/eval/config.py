@@ -32,6 +32,11 @@ TOOLCALL_PTX = 0.0
 SMALL_ROUNDS = 4  # `--small`: a CI-sized run
 SMALL_BATCH = 32  # `--small` has one user: half the chat per version
 PARTIAL_AFTER_S = 45
+# Every other method trains full batches only, however long a machine takes to chat them:
+# at 45 s a slower CPU (2026-12-05) trained `--personal` versions of 6-25 samples instead of
+# 64, so a "version" meant less data there than on a fast one. This is a safety valve for a
+# round whose chat ended short (under the round's own timeout).
+FULL_BATCH_WAIT_S = 600
 # The evaluation's targets: satisfaction on held-out prompts >= TARGET_SATISFIED within the
 # rounds run, for at least TARGET_PREFS preferences, while answer accuracy never falls more
 # than TARGET_ACCURACY_DROP below the base model's.
@@ -86,6 +91,9 @@ class EvalConfig:
     group: int = 1
     batch_size: int = int(TINYWORLD_RECIPE["batch_size"])
     round_timeout_s: float = 900.0
+    # Train full batches only (FULL_BATCH_WAIT_S) except under `opd`; False (`--small`, the
+    # CI-sized run): a partial batch after PARTIAL_AFTER_S, so a slow machine stays quick.
+    full_batches: bool = True
     engine_threads: int = 1
     # Keep each method's database (its URL in <out>/<method>/database.txt) to query with SQL.
     keep_db: bool = False
@@ -126,11 +134,13 @@ def stack_env(config: EvalConfig, method: str) -> dict[str, str]:
            "CLAWRL_TRAINER__REPLAY_COEF": str(config.replay_coef),
            "CLAWRL_TRAINER__BATCH_SIZE": str(batch),
            "CLAWRL_TRAINER__MICRO_BATCH_SIZE": str(min(8, batch)),
-           # Full batches, normally: the eval chats until one is ready (one version per
-           # round); a batch that cannot fill (a policy that earns few corrections gives
-           # `opd` few hints) is trained PARTIAL_AFTER_S after its first sample arrived,
-           # about the time `max_chats` waves of chat take.
-           "CLAWRL_TRAINER__MAX_WAIT_S": str(PARTIAL_AFTER_S), "CLAWRL_TRAINER__POLL_S": "0.5",
+           # Full batches: the eval chats until one is ready (one version per round); only
+           # `opd`'s batch may not fill (a policy that earns few corrections earns few
+           # hints), and it is trained PARTIAL_AFTER_S after its first sample arrived.
+           "CLAWRL_TRAINER__MAX_WAIT_S": str(FULL_BATCH_WAIT_S
+                                             if config.full_batches and method != "opd"
+                                             else PARTIAL_AFTER_S),
+           "CLAWRL_TRAINER__POLL_S": "0.5",
            "CLAWRL_TRAINER__SEED": str(config.seed)}
     if config.mini_batches != 1:
         env["CLAWRL_TRAINER__MINI_BATCHES"] = str(config.mini_batches)
