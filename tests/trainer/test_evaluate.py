@@ -411,6 +411,10 @@ def test_every_method_gets_the_same_trainer_settings_but_the_method() -> None:
     config = evalconfig.EvalConfig(model=Path("m"), out=Path("o"))
     envs = [evalconfig.stack_env(config, m) for m in ("rl", "opd", "combine")]
     assert [e.pop("CLAWRL_TRAINER__METHOD") for e in envs] == ["rl", "opd", "combine"]
+    # ... and the partial-batch wait: only opd's batches may be partial.
+    assert [e.pop("CLAWRL_TRAINER__MAX_WAIT_S") for e in envs] == [
+        str(evalconfig.FULL_BATCH_WAIT_S), str(evalconfig.PARTIAL_AFTER_S),
+        str(evalconfig.FULL_BATCH_WAIT_S)]
     assert envs[0] == envs[1] == envs[2]
 
 
