@@ -41,19 +41,32 @@ class LoraSettings(BaseModel):
 # worst accuracy at -2.3 / -3.0 / -1.0 points where without it seed 2 fell 11.6 (docs/eval.md).
 TINYWORLD_RECIPE: dict[str, float | int] = {"lr": 8e-4, "kl_coef": 0.05, "batch_size": 64,
                                             "adapter_lr": 3e-3, "ptx_coef": 0.25}
+# Personal mode's adapters on the tiny world, over the recipe above: a KL to the base four
+# times the shared model's instead of the corpus term. The corpus term kept the adapters'
+# facts but held them below 0.9 (0.84-0.89 at v8 on seeds 0 and 9). A KL of 0.2, chosen on
+# the tuning seed 9 (0.9 at v5 / v6, accuracy -4.8; 0.3 left a user at 0.89), took every user
+# of seeds 0-2 to 0.9 by v5-v8 with accuracy at most 3.0 points down (each user's own at most
+# 4.5; docs/eval.md "One adapter per user"). The style's reward pushes the same tokens every
+# step, the noise that garbles facts different ones, and the KL holds back the second more.
+PERSONAL_RECIPE: dict[str, float | int] = {"kl_coef": 0.2, "ptx_coef": 0.0}
 
 
-def model_recipe(model_dir: Path) -> dict[str, float | int]:
-    """The training settings a model directory comes with (the tiny world's), else none.
-    The tool-call model (its tinyworld.json has `tools`) takes no corpus term: its corpus is
-    mostly the first moves an agent is trained away from (docs/eval.md, the tool-call track)."""
+def tinyworld_recipe(*, tools: bool = False, personal: bool = False) -> dict[str, float | int]:
+    """The tiny world's training settings: the tool-call model (`tools`) takes no corpus term,
+    its corpus being mostly the first moves an agent is trained away from (docs/eval.md, the
+    tool-call track); personal mode's adapters take PERSONAL_RECIPE over the shared one."""
+    recipe = dict(TINYWORLD_RECIPE)
+    if tools:
+        del recipe["ptx_coef"]
+    return recipe | PERSONAL_RECIPE if personal else recipe
+
+
+def model_recipe(model_dir: Path, *, personal: bool = False) -> dict[str, float | int]:
+    """The training settings a model directory comes with (the tiny world's), else none."""
     info = model_dir / "tinyworld.json"
     if not info.is_file():
         return {}
-    recipe = dict(TINYWORLD_RECIPE)
-    if "tools" in json.loads(info.read_text()):
-        del recipe["ptx_coef"]
-    return recipe
+    return tinyworld_recipe(tools="tools" in json.loads(info.read_text()), personal=personal)
 
 
 class TrainerSettings(BaseModel):

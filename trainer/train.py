@@ -277,7 +277,9 @@ def resolve_settings(args: argparse.Namespace) -> Settings:
                  if v is not None}
     explicit = settings.trainer.model_fields_set | set(overrides)
     settings.trainer = TrainerSettings.model_validate(settings.trainer.model_dump() | overrides)
-    recipe = {k: v for k, v in model_recipe(settings.model_dir()).items() if k not in explicit}
+    recipe = {k: v for k, v in model_recipe(settings.model_dir(),
+                                            personal=settings.trainer.personal).items()
+              if k not in explicit}
     if recipe:
         settings.trainer = TrainerSettings.model_validate(settings.trainer.model_dump() | recipe)
         log.info("the tiny world model's training settings: %s (CLAWRL_TRAINER__* changes "

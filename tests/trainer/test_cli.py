@@ -103,25 +103,34 @@ def test_the_tiny_world_trains_with_its_recipe_unless_told_otherwise(
     assert (got.ptx_coef, got.ptx_data) == (0, None)
 
 
-def test_personal_adapters_train_against_the_batch_mean_unless_told_otherwise(
+def test_personal_adapters_train_with_their_own_recipe_unless_told_otherwise(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The reward baseline personal mode was measured with (docs/eval.md) is its default,
-    whether personal mode comes from the flag or the environment; the shared model keeps the
-    raw reward; an explicit setting wins."""
+    """What personal mode was measured with (docs/eval.md "One adapter per user") is its
+    default, whether personal mode comes from the flag or the environment: the batch-mean
+    baseline, and on the tiny world a KL of 0.2 instead of the corpus term. The shared model
+    keeps the raw reward and its own recipe; an explicit setting wins."""
+    from trainer.config import PERSONAL_RECIPE, TINYWORLD_RECIPE
     from trainer.train import build_parser, resolve_settings
 
     for name in [k for k in os.environ if k.startswith("CLAWRL_TRAINER__")]:
         monkeypatch.delenv(name)
     monkeypatch.setenv("CLAWRL_STATE_DIR", str(tmp_path))
     model = ["--model", str(PREBUILT_CI)]
-    assert resolve_settings(build_parser().parse_args(model)).trainer.baseline == "none"
-    flag = build_parser().parse_args([*model, "--personal"])
-    assert resolve_settings(flag).trainer.baseline == "batch_mean"
+    shared = resolve_settings(build_parser().parse_args(model)).trainer
+    assert (shared.baseline, shared.kl_coef, shared.ptx_coef) == (
+        "none", TINYWORLD_RECIPE["kl_coef"], TINYWORLD_RECIPE["ptx_coef"])
+    flag = resolve_settings(build_parser().parse_args([*model, "--personal"])).trainer
+    assert (flag.baseline, flag.kl_coef, flag.ptx_coef, flag.ptx_data) == (
+        "batch_mean", PERSONAL_RECIPE["kl_coef"], 0, None)
+    assert flag.lr == shared.lr and flag.adapter_lr == TINYWORLD_RECIPE["adapter_lr"]
     monkeypatch.setenv("CLAWRL_TRAINER__PERSONAL", "true")
     plain = build_parser().parse_args(model)
-    assert resolve_settings(plain).trainer.baseline == "batch_mean"
+    got = resolve_settings(plain).trainer
+    assert (got.baseline, got.kl_coef, got.ptx_coef) == ("batch_mean", 0.2, 0)
     monkeypatch.setenv("CLAWRL_TRAINER__REWARD_BASELINE", "none")
-    assert resolve_settings(plain).trainer.baseline == "none"
+    monkeypatch.setenv("CLAWRL_TRAINER__KL_COEF", "0.05")
+    got = resolve_settings(plain).trainer
+    assert (got.baseline, got.kl_coef, got.ptx_coef) == ("none", 0.05, 0)
 
 
 def test_the_tiny_world_learns_its_own_corpus_as_ptx_data_unless_given_a_file(

@@ -20,7 +20,7 @@ import openai
 import pytest
 from openai import AsyncOpenAI
 
-from trainer.config import TINYWORLD_RECIPE
+from trainer.config import PERSONAL_RECIPE, TINYWORLD_RECIPE
 from trainer.eval import cli, report
 from trainer.eval import config as evalconfig
 from trainer.world.simulate import PeoplePhrasings, SimUser, phrasings
@@ -354,7 +354,9 @@ def test_the_toolcall_track_defaults_and_its_methods_settings() -> None:
     # The track's recipe has the batch-mean baseline; the chat track leaves it to the
     # trainer (its own default). Several steps per version only when asked for.
     assert envs[0]["CLAWRL_TRAINER__REWARD_BASELINE"] == evalconfig.TOOLCALL_BASELINE
-    assert envs[0]["CLAWRL_TRAINER__PTX_COEF"] == str(evalconfig.TOOLCALL_PTX) == "0.0"
+    # The tool-call model's recipe has no corpus term (its corpus is what agents unlearn).
+    assert envs[0]["CLAWRL_TRAINER__PTX_COEF"] == "0.0"
+    assert envs[0]["CLAWRL_TRAINER__KL_COEF"] == str(TINYWORLD_RECIPE["kl_coef"])
     chat = evalconfig.stack_env(cli.parse_args([]), "combine")
     assert "CLAWRL_TRAINER__REWARD_BASELINE" not in chat
     # The corpus term is the recipe's unless asked otherwise, and always said explicitly.
@@ -396,15 +398,27 @@ def test_defaults_and_the_small_run() -> None:
     assert personal.prefs == ("lowercase", "uppercase")
 
 
-def test_personal_users_train_their_own_batches_with_the_same_settings() -> None:
-    config = evalconfig.EvalConfig(model=Path("m"), out=Path("o"), prefs=("lowercase", "uppercase"))
+def test_personal_users_train_their_own_batches_with_their_recipe() -> None:
+    config = cli.parse_args(["--personal"])
     shared, personal = (evalconfig.stack_env(config, m) for m in ("combine", "personal"))
     assert personal.pop("CLAWRL_TRAINER__PERSONAL") == "true"
     assert personal.pop("CLAWRL_TRAINER__ADAPTER_LR") == str(config.adapter_lr)
+    # Each method trains with its own recipe, as `clawrl up` / `clawrl up --personal` would:
+    # the adapters with a KL of 0.2 and no corpus term, the shared model with its own.
+    assert [personal.pop(k) for k in ("CLAWRL_TRAINER__KL_COEF", "CLAWRL_TRAINER__PTX_COEF")] \
+        == [str(float(PERSONAL_RECIPE["kl_coef"])), "0.0"] == ["0.2", "0.0"]
+    assert [shared.pop(k) for k in ("CLAWRL_TRAINER__KL_COEF", "CLAWRL_TRAINER__PTX_COEF")] \
+        == [str(TINYWORLD_RECIPE["kl_coef"]), str(TINYWORLD_RECIPE["ptx_coef"])]
     # Each user's adapter trains on a batch of their own samples as big as the shared
     # model's batch of everyone's, as `clawrl up --personal` trains it.
     assert shared["CLAWRL_TRAINER__BATCH_SIZE"] == personal["CLAWRL_TRAINER__BATCH_SIZE"] == "64"
     assert shared == personal  # the trainer's method is combine for both
+    # A KL or corpus term given on the command line is every method's.
+    given = cli.parse_args(["--personal", "--kl-coef", "0.1", "--ptx-coef", "0.5"])
+    for method in given.methods:
+        env = evalconfig.stack_env(given, method)
+        assert (env["CLAWRL_TRAINER__KL_COEF"], env["CLAWRL_TRAINER__PTX_COEF"]) == ("0.1", "0.5")
+    assert evalconfig.method_recipe(given, "personal") == {"kl_coef": 0.1, "ptx_coef": 0.5}
 
 
 def test_every_method_gets_the_same_trainer_settings_but_the_method() -> None:

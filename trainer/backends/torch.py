@@ -15,6 +15,7 @@ import copy
 import math
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -220,14 +221,19 @@ class TorchBackend:
             sums["ratio"] += terms.ratio_sum
             sums["clip"] += terms.clipped_low + terms.clipped_high
             abs_lr_max = max(abs_lr_max, terms.abs_log_ratio_max)
+        # The supervised terms, in turn; the first non-finite one ends the step (skipped).
         extra: dict[str, float] = {}
-        if bad is None and self.ptx is not None:
-            extra["ptx_nll"] = self._nll_backward(model, self.ptx.next(), self.cfg.ptx_coef)
-        if bad is None and replayed is not None:
-            extra["replay_nll"] = self._nll_backward(model, replayed, self.cfg.replay_coef)
-        for name, value in extra.items():
+        supervised: list[tuple[str, Callable[[], tuple[Tensor, Tensor, Tensor]], float]] = []
+        if self.ptx is not None:
+            supervised.append(("ptx", self.ptx.next, self.cfg.ptx_coef))
+        if replayed is not None:
+            supervised.append(("replay", lambda: replayed, self.cfg.replay_coef))
+        for name, examples, coef in supervised:
+            if bad is not None:
+                break
+            value = extra[f"{name}_nll"] = self._nll_backward(model, examples(), coef)
             if not math.isfinite(value):
-                bad = f"non-finite {name.removesuffix('_nll')} loss ({value})"
+                bad = f"non-finite {name} loss ({value})"
         grad_norm = None
         if bad is None:
             params = [p for p in model.parameters() if p.requires_grad]

@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from proxy.signals import sigterm_as_interrupt
+from trainer.config import PERSONAL_RECIPE, TINYWORLD_RECIPE
 from trainer.eval.config import (
     ALL_METHODS,
     METHODS,
@@ -56,9 +57,9 @@ from trainer.eval.config import (
     TOOLCALL_BASELINE,
     TOOLCALL_LR,
     TOOLCALL_METHODS,
-    TOOLCALL_PTX,
     TRACKS,
     EvalConfig,
+    method_recipe,
 )
 from trainer.eval.report import plot_curve, print_table, print_targets, targets
 from trainer.world.simulate import phrasings
@@ -106,11 +107,15 @@ def parse_args(argv: list[str]) -> EvalConfig:
                         f"{TOOLCALL_LR})")
     p.add_argument("--adapter-lr", type=float, default=EvalConfig.adapter_lr,
                    help="--personal: the per-user adapters' learning rate")
-    p.add_argument("--kl-coef", type=float, default=EvalConfig.kl_coef)
+    p.add_argument("--kl-coef", type=float, default=None,
+                   help="the KL to the base model, for every method (default: each method's "
+                        f"recipe, trainer/config.py: {TINYWORLD_RECIPE['kl_coef']}, "
+                        f"--personal's adapters {PERSONAL_RECIPE['kl_coef']})")
     p.add_argument("--ptx-coef", type=float, default=None,
-                   help="weight of the tiny world's own corpus mixed into every step (the "
-                        f"trainer's ptx_coef, trainer/ptx.py; default {EvalConfig.ptx_coef}, "
-                        f"--track toolcall: {TOOLCALL_PTX}); 0: none")
+                   help="weight of the tiny world's own corpus mixed into every step, for "
+                        "every method (the trainer's ptx_coef, trainer/ptx.py; default: each "
+                        f"method's recipe, {TINYWORLD_RECIPE['ptx_coef']}, --personal's "
+                        f"adapters and --track toolcall 0); 0: none")
     p.add_argument("--replay-coef", type=float, default=EvalConfig.replay_coef,
                    help="weight of the accepted samples replayed in every step (the trainer's "
                         "replay_coef, trainer/data.py replay_batch); 0: none")
@@ -156,8 +161,6 @@ def parse_args(argv: list[str]) -> EvalConfig:
                          "--prefs, --followups")
     if args.lr is None:
         args.lr = TOOLCALL_LR if toolcall else EvalConfig.lr
-    if args.ptx_coef is None:
-        args.ptx_coef = TOOLCALL_PTX if toolcall else EvalConfig.ptx_coef
     if args.reward_baseline is None and toolcall:
         args.reward_baseline = TOOLCALL_BASELINE
     if toolcall and args.proxy_url:
@@ -206,7 +209,7 @@ def parse_args(argv: list[str]) -> EvalConfig:
         raise SystemExit("clawrl eval: --rounds, --sessions, --parallel, --probes, "
                          "--users-per-pref, --batch-size, --mini-batches and --group must be "
                          ">= 1")
-    if min(args.kl_coef, args.ptx_coef, args.replay_coef) < 0:
+    if min(args.kl_coef or 0, args.ptx_coef or 0, args.replay_coef) < 0:
         raise SystemExit("clawrl eval: --kl-coef, --ptx-coef and --replay-coef must be >= 0")
     state = load_settings().state_dir
     model = args.model or state / "models" / ("tinyworld-tools" if toolcall else
@@ -304,6 +307,7 @@ def run_eval(config: EvalConfig) -> int:
 def _write(config: EvalConfig, rows: list[dict[str, Any]], started: float) -> None:
     config.out.mkdir(parents=True, exist_ok=True)
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(config).items()}
+    settings["recipes"] = {m: method_recipe(config, m) for m in config.methods}
     (config.out / "results.json").write_text(json.dumps(
         {"settings": settings, "minutes": round((time.monotonic() - started) / 60, 2),
          "targets": targets(rows), "probes": rows}, indent=1, default=str))

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trainer.config import TINYWORLD_RECIPE
+from trainer.config import TINYWORLD_RECIPE, tinyworld_recipe
 
 METHODS = ("combine", "rl", "opd", "none")
 # `--personal`: `combine` with one LoRA adapter per user (trainer/personal.py), against the
@@ -25,10 +25,6 @@ TOOLCALL_METHODS = (*TRACK_METHODS, "none")
 # 10-30 points, at 2e-4 they held (0.92-0.98) and success went highest (0.53 -> 0.84).
 TOOLCALL_LR = 2e-4
 TOOLCALL_BASELINE = "batch_mean"
-# No corpus term on the track: the tool-call model's corpus is mostly the first moves the
-# track trains away (answering from memory, plain text); with it (0.25) success peaked at
-# 0.73 (seed 0) where the runs without reach 0.84-0.89 (docs/eval.md).
-TOOLCALL_PTX = 0.0
 SMALL_ROUNDS = 4  # `--small`: a CI-sized run
 SMALL_BATCH = 32  # `--small` has one user: half the chat per version
 PARTIAL_AFTER_S = 45
@@ -73,10 +69,14 @@ class EvalConfig:
     lr: float = float(TINYWORLD_RECIPE["lr"])
     # `personal`: the adapters' learning rate (docs/eval.md "One adapter per user").
     adapter_lr: float = float(TINYWORLD_RECIPE["adapter_lr"])
-    kl_coef: float = float(TINYWORLD_RECIPE["kl_coef"])
-    # The trainer's `ptx_coef` (trainer/ptx.py): the tiny world's chat corpus mixed into
-    # every step; 0: none.
-    ptx_coef: float = float(TINYWORLD_RECIPE["ptx_coef"])
+    # The KL to the base and the trainer's `ptx_coef` (trainer/ptx.py, the tiny world's
+    # corpus mixed into every step; 0: none). None: each method's recipe (trainer/config.py
+    # `tinyworld_recipe`): the shared model's for the shared methods, personal mode's for
+    # `personal` (KL 0.2, no corpus term), the tool-call model's on the tool-call track (no
+    # corpus term: with it, 0.25, success peaked at 0.73 where runs without reach 0.84-0.89,
+    # docs/eval.md). A number: that, for every method.
+    kl_coef: float | None = None
+    ptx_coef: float | None = None
     # The trainer's `replay_coef` (trainer/data.py `replay_batch`): the samples the judge
     # rated +1 replayed in every step; 0: none.
     replay_coef: float = 0.0
@@ -121,16 +121,27 @@ def trainer_method(method: str) -> str:
     return "combine" if method == PERSONAL else "rl" if method in TRACK_METHODS else method
 
 
+def method_recipe(config: EvalConfig, method: str) -> dict[str, float]:
+    """The KL and corpus-term weights a method trains with: the run's where it set them, else
+    the tiny world's recipe for the method's kind of model and mode (always said explicitly
+    to the trainer, so a run's settings are its own whatever the model directory holds)."""
+    recipe = tinyworld_recipe(tools=config.track == "toolcall", personal=method == PERSONAL)
+    return {"kl_coef": float(recipe["kl_coef"] if config.kl_coef is None else config.kl_coef),
+            "ptx_coef": float(recipe.get("ptx_coef", 0.0) if config.ptx_coef is None
+                              else config.ptx_coef)}
+
+
 def stack_env(config: EvalConfig, method: str) -> dict[str, str]:
     """Trainer and judge settings of one method's stack (the same for every method but the
     method). The judge works on as many turns at once as the users hold conversations, so
     the engine batches its votes with the users' requests."""
     batch = config.batch_size
+    recipe = method_recipe(config, method)
     env = {"CLAWRL_JUDGE__CONCURRENCY": str(max(4, config.parallel * len(config.prefs)
                                                 * config.users_per_pref)),
            "CLAWRL_TRAINER__METHOD": trainer_method(method), "CLAWRL_TRAINER__LR": str(config.lr),
-           "CLAWRL_TRAINER__KL_COEF": str(config.kl_coef),
-           "CLAWRL_TRAINER__PTX_COEF": str(config.ptx_coef),
+           "CLAWRL_TRAINER__KL_COEF": str(recipe["kl_coef"]),
+           "CLAWRL_TRAINER__PTX_COEF": str(recipe["ptx_coef"]),
            "CLAWRL_TRAINER__REPLAY_COEF": str(config.replay_coef),
            "CLAWRL_TRAINER__BATCH_SIZE": str(batch),
            "CLAWRL_TRAINER__MICRO_BATCH_SIZE": str(min(8, batch)),
