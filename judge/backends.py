@@ -4,7 +4,8 @@ Both speak `POST {base_url}/chat/completions`; the policy engine (SGLang or `cla
 is reached at `CLAWRL_ENGINE__URL` + `/v1`. Each backend has its own timeout and a semaphore
 bounding its concurrent requests. This module is the one place where httpx errors and HTTP
 error statuses of the judge endpoint become judge errors (`raise … from exc`):
-unreachable / timeout / 429 / 5xx → BackendUnavailable (transient), other 4xx →
+no connection at all → BackendUnreachable (an outage: the job is put back uncounted),
+timeout / dropped connection / 429 / 5xx → BackendUnavailable (transient), other 4xx →
 BackendRejected (permanent) — or PromptTooLong when the 400 says the input is over the
 context — and a 200 without a message → BadBackendResponse.
 """
@@ -22,6 +23,7 @@ from judge.config import JudgeSettings
 from judge.errors import (
     BackendRejected,
     BackendUnavailable,
+    BackendUnreachable,
     BadBackendResponse,
     PromptTooLong,
     says_too_long,
@@ -62,6 +64,8 @@ async def post_json(client: httpx.AsyncClient, url: str, body: Mapping[str, Any]
     """POST JSON and return the decoded body, translating every failure to a judge error."""
     try:
         response = await client.post(url, json=dict(body), headers=dict(headers or {}))
+    except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+        raise BackendUnreachable(f"{what}: cannot connect to {url}: {exc}") from exc
     except httpx.TimeoutException as exc:
         raise BackendUnavailable(f"{what}: timed out ({url})") from exc
     except httpx.TransportError as exc:

@@ -21,6 +21,12 @@ class BackendUnavailable(JudgeError):
     transient = True
 
 
+class BackendUnreachable(BackendUnavailable):
+    """No connection could be made at all (refused, no route, connect timeout): the engine is
+    down or restarting, and the request never reached it. An outage, not this job's failure:
+    the worker puts the job back without counting the attempt (judge/worker.py)."""
+
+
 class BackendRejected(JudgeError):
     """The endpoint answered 4xx to a well-formed request (bad key, unknown model, ...)."""
 

@@ -23,9 +23,12 @@ from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import httpx
+
 from judge.errors import (
     BackendRejected,
     BackendUnavailable,
+    BackendUnreachable,
     BadBackendResponse,
     PromptTooLong,
     says_too_long,
@@ -109,6 +112,8 @@ class TeacherEngine:
         except EngineProtocolError as exc:
             raise BadBackendResponse(f"teacher: {exc}") from exc
         except EngineClientError as exc:  # unreachable, busy (503), timeout, 5xx
+            if isinstance(exc.__cause__, (httpx.ConnectError, httpx.ConnectTimeout)):
+                raise BackendUnreachable(f"teacher: {exc}") from exc
             raise BackendUnavailable(f"teacher: {exc}") from exc
 
 

@@ -9,6 +9,9 @@ leases of killed workers come back by time, not by notification). Up to `concurr
 run at once; each holds a lease that a heartbeat keeps extending while it runs.
 A job ends as done (results written in the same transaction), retried with exponential
 backoff (transient error), or failed with its reason (permanent error, or attempts spent).
+When nothing can connect to the judge or teacher endpoint (it is down or restarting), the job
+goes back without spending an attempt and the worker pauses its claims (`put_back`): an
+outage delays judging, it never fails the turns queued behind it.
 SIGTERM/SIGINT: stop claiming, finish the jobs in flight, exit 0.
 """
 
@@ -23,6 +26,7 @@ import os
 import signal
 import socket
 import sys
+import time
 import uuid
 
 import httpx
@@ -37,7 +41,7 @@ from judge.config import (
     describe_settings_error,
     load_judge_settings,
 )
-from judge.errors import JudgeError
+from judge.errors import BackendUnreachable, JudgeError
 from judge.judgment import judge_job
 from judge.teacher import TeacherEngine
 from proxy.db import create_async, libpq_url
@@ -96,6 +100,10 @@ class Worker:
         self.teacher_transport = teacher_transport
         self.wake = asyncio.Event()
         self.inflight: set[asyncio.Task[None]] = set()
+        # An outage of the judge or teacher endpoint (nothing could connect): claims pause
+        # until `resume_at` (time.monotonic()), for longer each time it is still down.
+        self.outages = 0
+        self.resume_at = 0.0
 
     async def run(self, stop: asyncio.Event) -> None:
         """Work until `stop` is set, then finish the jobs in flight and return."""
@@ -135,7 +143,8 @@ class Worker:
         while not stop.is_set():
             # Cleared before claiming, so a NOTIFY that lands during the claim is not lost.
             self.wake.clear()
-            free = self.concurrency - len(self.inflight)
+            paused = self.resume_at - time.monotonic()
+            free = self.concurrency - len(self.inflight) if paused <= 0 else 0
             jobs: list[ClaimedJob] = []
             if free > 0:
                 try:
@@ -149,7 +158,8 @@ class Worker:
             if jobs and len(jobs) == free:
                 continue  # maybe more waiting; claim again as soon as a slot frees
             waiters = [asyncio.create_task(self.wake.wait()), asyncio.create_task(stop.wait())]
-            await asyncio.wait(waiters, timeout=self.settings.poll_interval_s,
+            poll = self.settings.poll_interval_s
+            await asyncio.wait(waiters, timeout=min(poll, paused) if paused > 0 else poll,
                                return_when=asyncio.FIRST_COMPLETED)
             for w in waiters:
                 w.cancel()
@@ -202,12 +212,15 @@ class Worker:
         try:
             outcome = await judge_job(self.db, job, self.name, settings=self.settings,
                                       backend=backend, teacher=teacher)
+        except BackendUnreachable as exc:
+            await self.put_back(job, exc)
         except JudgeError as exc:
             await self.finish_error(job, exc, transient=exc.transient, cap=cap)
         except Exception as exc:  # DB errors and bugs: retried, then recorded — never lost
             log.exception("job crashed", extra={"action": "job_crash", **extra})
             await self.finish_error(job, exc, transient=True, cap=cap)
         else:
+            self.outages = 0
             log.info("job %s", outcome.action, extra={
                 "action": f"job_{outcome.action}", **extra, "reward": outcome.reward,
                 "judgment_id": outcome.judgment_id, "sample_id": outcome.sample_id,
@@ -216,6 +229,26 @@ class Worker:
             beat.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await beat
+
+    async def put_back(self, job: ClaimedJob, exc: BackendUnreachable) -> None:
+        """Nothing could connect to the endpoint: the job goes back to the queue without
+        counting the attempt (an engine restarting for minutes must not spend every queued
+        job's attempts and fail them), and this worker claims nothing until the pause ends:
+        backoff_base_s, twice that if it is still down after, … up to backoff_max_s. Jobs
+        that fail within one pause share it."""
+        now = time.monotonic()
+        if now >= self.resume_at:
+            self.outages += 1
+            self.resume_at = now + backoff_s(self.outages, self.settings)
+        delay = self.resume_at - now
+        message = f"{type(exc).__name__}: {exc}"[:2000]
+        log.warning("endpoint unreachable, job put back; claims resume in %.1fs: %s", delay,
+                    message, extra={"action": "job_put_back", "job_id": job.id,
+                                    "attempt": job.attempts, "outages": self.outages})
+        with contextlib.suppress(Exception):  # DB down: the lease brings it back
+            async with self.db.begin() as conn:
+                await conn.execute(retry_stmt(job.id, self.name, delay, message,
+                                              counted=False))
 
     async def finish_error(self, job: ClaimedJob, exc: BaseException, *, transient: bool,
                            cap: int) -> None:

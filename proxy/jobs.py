@@ -90,11 +90,14 @@ def complete_stmt(job_id: int, worker: str, note: str | None = None) -> TextClau
     ).bindparams(id=job_id, worker=worker, note=note)
 
 
-def retry_stmt(job_id: int, worker: str, delay_s: float, error: str) -> TextClause:
-    """Back to the queue, claimable again after `delay_s` (the backoff)."""
+def retry_stmt(job_id: int, worker: str, delay_s: float, error: str, *,
+               counted: bool = True) -> TextClause:
+    """Back to the queue, claimable again after `delay_s` (the backoff). `counted=False`: the
+    attempt the claim counted is given back (an outage of the endpoint, not the job's fault)."""
+    give_back = "" if counted else "attempts = greatest(attempts - 1, 0), "
     return text(
         "UPDATE jobs SET status = 'queued', available_at = now() + make_interval(secs => :d), "
-        "locked_by = NULL, last_error = :err "
+        f"{give_back}locked_by = NULL, last_error = :err "
         "WHERE id = :id AND locked_by = :worker AND status = 'running' RETURNING id"
     ).bindparams(id=job_id, worker=worker, d=float(delay_s), err=error)
 

@@ -12,6 +12,7 @@ from judge.backends import ChatBackend
 from judge.errors import (
     BackendRejected,
     BackendUnavailable,
+    BackendUnreachable,
     BadBackendResponse,
     JudgeError,
     PromptTooLong,
@@ -33,7 +34,9 @@ def status(code: int, message: str = "nope") -> Fault:
 
 
 CASES: list[tuple[str, Fault, type[JudgeError], bool]] = [
-    ("refused", raises(httpx.ConnectError("refused")), BackendUnavailable, True),
+    # No connection at all: an outage, which the worker does not count against the job.
+    ("refused", raises(httpx.ConnectError("refused")), BackendUnreachable, True),
+    ("connect timeout", raises(httpx.ConnectTimeout("no answer")), BackendUnreachable, True),
     ("timeout", raises(httpx.ReadTimeout("slow")), BackendUnavailable, True),
     ("dropped", raises(httpx.RemoteProtocolError("eof")), BackendUnavailable, True),
     ("429", status(429), BackendUnavailable, True),
@@ -58,7 +61,7 @@ async def test_judge_backend_errors(name: str, fault: Fault, error: type[JudgeEr
         with pytest.raises(error) as caught:
             await backend.complete([{"role": "user", "content": "x"}], temperature=0.6,
                                    max_tokens=8)
-    assert caught.value.transient is transient
+    assert type(caught.value) is error and caught.value.transient is transient
 
 
 @pytest.mark.parametrize(("name", "fault", "error", "transient"),
@@ -71,4 +74,4 @@ async def test_teacher_engine_errors(name: str, fault: Fault, error: type[JudgeE
         teacher = TeacherEngine(client, concurrency=1)
         with pytest.raises(error) as caught:
             await teacher.token_logprobs([1, 2, 3], [4, 5])
-    assert caught.value.transient is transient
+    assert type(caught.value) is error and caught.value.transient is transient

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -174,9 +175,39 @@ async def test_unreachable_or_slow_endpoint_is_retried_until_it_answers(
 
     await run_until(db_url, settings_for(db_url, votes=1, hint_votes=0), flaky,
                     lambda: job_status(db) == ["done"])
-    assert jobs(db)[0].attempts == 3
+    # The refused connection was an outage and gave its attempt back; the timeout counted.
+    assert jobs(db)[0].attempts == 2
     assert [r.reward for r in rows(db, "SELECT reward FROM judgments")] == [1]
     assert len(rows(db, "SELECT * FROM samples")) == 1
+
+
+async def test_an_engine_down_longer_than_the_attempts_loses_no_job(db: Engine,
+                                                                    db_url: str) -> None:
+    """The judge engine refuses connections for more tries than the jobs have attempts (3 here;
+    a restart of a few minutes in production): every queued turn is judged once it is back,
+    none failed, no attempt spent, and the worker waited longer between tries as it stayed
+    down instead of bouncing every queued job."""
+    user = add_user(db)
+    for _ in range(2):
+        add_turn(db, user)
+    refusals = 7  # more than both jobs' 3 attempts together
+    tried: list[float] = []
+
+    async def restarting(request: httpx.Request) -> httpx.Response:
+        nonlocal refusals
+        if refusals > 0:
+            refusals -= 1
+            tried.append(time.monotonic())
+            raise httpx.ConnectError("connection refused")
+        return reply("Thanks, moving on. \\boxed{1}")
+
+    await run_until(db_url, settings_for(db_url, votes=1, hint_votes=0, concurrency=1),
+                    restarting, lambda: job_status(db) == ["done"] * 2)
+    assert [j.attempts for j in jobs(db)] == [1, 1]
+    assert len(rows(db, "SELECT * FROM samples")) == 2
+    # Paused 0.05, 0.1, 0.2, … s (backoff_base_s doubling) between the refused tries.
+    gaps = [b - a for a, b in zip(tried, tried[1:], strict=False)]
+    assert gaps[-1] >= 0.05 * 2 ** 5 * 0.9, gaps
 
 
 async def test_rejected_request_fails_at_once(db: Engine, db_url: str) -> None:
