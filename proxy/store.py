@@ -63,6 +63,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("clawrl.proxy.store")
 
 _STOP = object()
+# Put by the guard after it journaled turns (`_rescue`, `_spill`): the writer, perhaps asleep
+# on an empty queue for up to 30 s, wakes and replays them now. Turns journaled while the
+# writer waits for the queue were otherwise left there until a later turn arrived — an
+# outcome posted for them (`wait_queued`) waited out its 30 s (seen under load in CI).
+_NUDGE = object()
 _UNREACHABLE = (OSError, TimeoutError, PoolTimeout, OperationalError, InterfaceError,
                 DisconnectionError)
 _MAX_ERROR_CHARS = 2000
@@ -181,6 +186,7 @@ class TurnWriter:
         for r in records:
             self._pending.discard(r.uid)
         self._to_journal(records)
+        self._queue.put_nowait(_NUDGE)
         self._settled(records)
         self.spilled += len(records)
         if self.metrics is not None:
@@ -360,6 +366,7 @@ class TurnWriter:
                     waiter.set_result(None)
             return bool(stale)
         self._to_journal(inflight + records)
+        self._queue.put_nowait(_NUDGE)
         self._rescued.update(r.uid for r in inflight)
         for r in records:
             self._pending.discard(r.uid)

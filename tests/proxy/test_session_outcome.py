@@ -47,9 +47,7 @@ async def test_outcome_by_either_id_last_one_wins(proxy_factory: ProxyFactory, d
     _, key = create_user(db_url, "vera")
     session_id, _ = await _episode(proxy, key, "episode-1")
     prefix = query(db_url, "SELECT prefix FROM api_keys")[0][0]
-    # More patience than the route's own wait for the writer (`wait_queued`, 30 s): a busy
-    # machine's slow store answers late rather than as a client timeout.
-    async with httpx.AsyncClient(base_url=proxy.url, timeout=60,
+    async with httpx.AsyncClient(base_url=proxy.url, timeout=30,
                                  headers={"Authorization": f"Bearer {key}"}) as http:
         # Right after the last reply (its turn may still be queued): by the client's own id.
         by_ext = await http.post("/v1/sessions/episode-1/outcome", json={"outcome": 1})

@@ -147,6 +147,30 @@ async def test_writer_is_restarted(proxy_factory: ProxyFactory, db_url: str,
     assert await metric(proxy, "clawrl_turn_writer_up") == 1.0
 
 
+async def test_turns_the_guard_journals_while_the_writer_sleeps_are_stored_at_once(
+        proxy_factory: ProxyFactory, db_url: str, engine_url: str) -> None:
+    """On a starved event loop the guard can journal a turn (the database looked slow) before
+    the writer, asleep on its empty queue, ever took it: the writer must wake and replay it
+    then, not when the next turn arrives. Seen in CI: an outcome posted for such a session
+    waited out its 30 s wait for the writer (`wait_queued`) and the client timed out."""
+    proxy = await proxy_factory(engine_url)
+    writer = proxy.app.state.writer
+    user_id, _ = create_user(db_url, "alice")
+    await proxy.settle()
+    await asyncio.sleep(0.2)  # the writer is asleep on the empty queue (for up to 30 s)
+    record = TurnRecord(uid="00000000-0000-4000-8000-0000000000aa", user_id=user_id,
+                        api_key_id=None, request_messages=[{"role": "user", "content": "hi"}],
+                        params={}, response_message={"role": "assistant", "content": "yo"})
+    writer.submit(record)
+    assert writer._rescue()  # the guard's move, before the writer's task runs again
+    assert writer.journal.pending == 1 and writer.rescued == 1
+    started = asyncio.get_running_loop().time()
+    await wait_for(lambda: writer.journal.pending == 0, timeout_s=10)
+    await writer.wait_queued(timeout_s=10)
+    assert asyncio.get_running_loop().time() - started < 10
+    assert query(db_url, "SELECT uid::text FROM turns") == [(record.uid,)]
+
+
 async def test_backlog_bound_spills_to_journal_and_unreadies(
         proxy_factory: ProxyFactory, db_url: str, engine_url: str) -> None:
     """With the writer stalled (a lock held on `turns`), the queue stops at its bound: later
