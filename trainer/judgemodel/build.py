@@ -288,9 +288,13 @@ def build_adapter(state_dir: Path, cfg: BuildConfig, out: Path = ADAPTER_DIR,
         "cache_s": round(cache_s, 1),
         "final_loss": round(sum(losses[-20:]) / len(losses[-20:]), 4), "config": asdict(cfg)}
     if stage is not None:  # the first stage's figures stay, this one's beside them
+        # A stage run again on an adapter that had one keeps the earlier stages' figures.
+        earlier = [*first.pop("earlier_agent_stages", []),
+                   *([first.pop("agent_stage")] if "agent_stage" in first else [])]
         figures = {**first, "agent_stage": {**{k: figures[k] for k in (
             "examples", "steps", "train_s", "cache_s", "final_loss")},
-            "config": {**asdict(stage), "prompt_version": cfg.prompt_version}}}
+            "config": {**asdict(stage), "prompt_version": cfg.prompt_version}},
+            **({"earlier_agent_stages": earlier} if earlier else {})}
     (tmp / "build.json").write_text(json.dumps(figures, indent=1) + "\n", encoding="utf-8")
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
