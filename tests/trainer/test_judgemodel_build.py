@@ -3,6 +3,7 @@ layers giving exactly what the full forward gives (a tiny random Qwen2-style mod
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,24 @@ from trainer.judgemodel.build import (
     collate,
     decisive_chars,
     decoder,
+    staged_figures,
 )
+from trainer.judgemodel.model import ADAPTER_DIR
+
+
+def test_an_agent_stage_run_again_keeps_the_earlier_stages_figures() -> None:
+    first = {"final_loss": 0.001, "config": {"turns": 2000}}
+    once = staged_figures(first, {"final_loss": 0.07})
+    assert once == {**first, "agent_stage": {"final_loss": 0.07}}
+    twice = staged_figures(once, {"final_loss": 0.003})
+    assert twice == {**first, "agent_stage": {"final_loss": 0.003},
+                     "earlier_agent_stages": [{"final_loss": 0.07}]}
+    thrice = staged_figures(twice, {"final_loss": 0.001})
+    assert thrice["earlier_agent_stages"] == [{"final_loss": 0.07}, {"final_loss": 0.003}]
+    # The shipped build.json is of that shape: its second stage beside the first one's.
+    shipped = json.loads((ADAPTER_DIR / "build.json").read_text())
+    assert [st["final_loss"] for st in (*shipped["earlier_agent_stages"],
+                                       shipped["agent_stage"])] == [0.0706, 0.0032]
 
 
 def test_decisive_chars_point_at_the_score_and_the_hint_marker() -> None:

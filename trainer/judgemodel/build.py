@@ -95,6 +95,16 @@ _CANONICAL = tuple(wordings[0] for wordings in HINTS.values()) + (FACT_HINT.spli
 Row = tuple[list[int], int, list[int]]  # ids, answer tokens at the end, decisive indices
 
 
+def staged_figures(built: dict[str, Any], stage: dict[str, Any]) -> dict[str, Any]:
+    """build.json after an agent stage on an adapter whose build.json is `built`: its figures,
+    this stage's as `agent_stage`, and the stages run before on it (a stage run again) under
+    `earlier_agent_stages`, oldest first."""
+    rest = {k: v for k, v in built.items() if k not in ("agent_stage", "earlier_agent_stages")}
+    earlier = [*built.get("earlier_agent_stages", []),
+               *([built["agent_stage"]] if "agent_stage" in built else [])]
+    return {**rest, "agent_stage": stage, **({"earlier_agent_stages": earlier} if earlier else {})}
+
+
 def decisive_chars(answer: str) -> list[int]:
     """Where the decisions are in an answer: the score (after `\\boxed{`, or the answer's
     first character when it starts with the score), the first letter after the `[` that
@@ -288,13 +298,9 @@ def build_adapter(state_dir: Path, cfg: BuildConfig, out: Path = ADAPTER_DIR,
         "cache_s": round(cache_s, 1),
         "final_loss": round(sum(losses[-20:]) / len(losses[-20:]), 4), "config": asdict(cfg)}
     if stage is not None:  # the first stage's figures stay, this one's beside them
-        # A stage run again on an adapter that had one keeps the earlier stages' figures.
-        earlier = [*first.pop("earlier_agent_stages", []),
-                   *([first.pop("agent_stage")] if "agent_stage" in first else [])]
-        figures = {**first, "agent_stage": {**{k: figures[k] for k in (
+        figures = staged_figures(first, {**{k: figures[k] for k in (
             "examples", "steps", "train_s", "cache_s", "final_loss")},
-            "config": {**asdict(stage), "prompt_version": cfg.prompt_version}},
-            **({"earlier_agent_stages": earlier} if earlier else {})}
+            "config": {**asdict(stage), "prompt_version": cfg.prompt_version}})
     (tmp / "build.json").write_text(json.dumps(figures, indent=1) + "\n", encoding="utf-8")
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
