@@ -21,6 +21,7 @@ import httpx
 
 from judge.config import JudgeSettings
 from judge.errors import (
+    CONNECT_FAILURES,
     BackendRejected,
     BackendUnavailable,
     BackendUnreachable,
@@ -64,7 +65,7 @@ async def post_json(client: httpx.AsyncClient, url: str, body: Mapping[str, Any]
     """POST JSON and return the decoded body, translating every failure to a judge error."""
     try:
         response = await client.post(url, json=dict(body), headers=dict(headers or {}))
-    except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+    except CONNECT_FAILURES as exc:
         raise BackendUnreachable(f"{what}: cannot connect to {url}: {exc}") from exc
     except httpx.TimeoutException as exc:
         raise BackendUnavailable(f"{what}: timed out ({url})") from exc

@@ -8,6 +8,8 @@ with backoff) or permanent (record the failure now).
 
 from __future__ import annotations
 
+import httpx
+
 
 class JudgeError(Exception):
     """Base class; `transient` says whether retrying the job may succeed."""
@@ -19,6 +21,10 @@ class BackendUnavailable(JudgeError):
     """The judge or teacher endpoint could not be reached, timed out, or answered 5xx/429."""
 
     transient = True
+
+
+# The httpx errors that mean no connection was made at all (BackendUnreachable).
+CONNECT_FAILURES = (httpx.ConnectError, httpx.ConnectTimeout)
 
 
 class BackendUnreachable(BackendUnavailable):

@@ -23,9 +23,8 @@ from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import httpx
-
 from judge.errors import (
+    CONNECT_FAILURES,
     BackendRejected,
     BackendUnavailable,
     BackendUnreachable,
@@ -112,7 +111,7 @@ class TeacherEngine:
         except EngineProtocolError as exc:
             raise BadBackendResponse(f"teacher: {exc}") from exc
         except EngineClientError as exc:  # unreachable, busy (503), timeout, 5xx
-            if isinstance(exc.__cause__, (httpx.ConnectError, httpx.ConnectTimeout)):
+            if isinstance(exc.__cause__, CONNECT_FAILURES):
                 raise BackendUnreachable(f"teacher: {exc}") from exc
             raise BackendUnavailable(f"teacher: {exc}") from exc
 

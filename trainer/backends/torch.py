@@ -15,7 +15,6 @@ import copy
 import math
 import time
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +35,11 @@ def pick_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
+
+
+def _nonfinite(term: str, nll: float) -> str | None:
+    """Why a step with this supervised term's NLL must be skipped, or None when it is finite."""
+    return None if math.isfinite(nll) else f"non-finite {term} loss ({nll})"
 
 
 class TorchBackend:
@@ -223,17 +227,12 @@ class TorchBackend:
             abs_lr_max = max(abs_lr_max, terms.abs_log_ratio_max)
         # The supervised terms, in turn; the first non-finite one ends the step (skipped).
         extra: dict[str, float] = {}
-        supervised: list[tuple[str, Callable[[], tuple[Tensor, Tensor, Tensor]], float]] = []
-        if self.ptx is not None:
-            supervised.append(("ptx", self.ptx.next, self.cfg.ptx_coef))
-        if replayed is not None:
-            supervised.append(("replay", lambda: replayed, self.cfg.replay_coef))
-        for name, examples, coef in supervised:
-            if bad is not None:
-                break
-            value = extra[f"{name}_nll"] = self._nll_backward(model, examples(), coef)
-            if not math.isfinite(value):
-                bad = f"non-finite {name} loss ({value})"
+        if bad is None and self.ptx is not None:
+            extra["ptx_nll"] = self._nll_backward(model, self.ptx.next(), self.cfg.ptx_coef)
+            bad = _nonfinite("ptx", extra["ptx_nll"])
+        if bad is None and replayed is not None:
+            extra["replay_nll"] = self._nll_backward(model, replayed, self.cfg.replay_coef)
+            bad = _nonfinite("replay", extra["replay_nll"])
         grad_norm = None
         if bad is None:
             params = [p for p in model.parameters() if p.requires_grad]
