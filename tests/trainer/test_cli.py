@@ -153,8 +153,16 @@ def test_the_tiny_world_learns_its_own_corpus_as_ptx_data_unless_given_a_file(
     monkeypatch.setenv("CLAWRL_TRAINER__PTX_DATA", str(tmp_path / "mine.jsonl"))
     assert resolve_settings(tiny).trainer.ptx_data == tmp_path / "mine.jsonl"
     # The tool-call model's recipe has no corpus term (its corpus is what agents unlearn).
-    from trainer.config import model_recipe
+    from trainer.config import TOOLS_RECIPE, model_recipe
 
     assert "ptx_coef" in model_recipe(PREBUILT_CI)
     assert "ptx_coef" not in model_recipe(PREBUILT_CI.parent / "tinyworld-tools")
-    assert model_recipe(PREBUILT_CI.parent / "tinyworld-tools")["lr"] == model_recipe(PREBUILT_CI)["lr"]
+    # ... and trains at the tool-call track's learning rate with its baseline, not the chat
+    # model's 8e-4 (at which the agent's tool calls fell apart).
+    tools = model_recipe(PREBUILT_CI.parent / "tinyworld-tools")
+    assert tools["lr"] == TOOLS_RECIPE["lr"] < model_recipe(PREBUILT_CI)["lr"]
+    assert tools["reward_baseline"] == "batch_mean"
+    monkeypatch.delenv("CLAWRL_TRAINER__PTX_DATA")
+    agent = resolve_settings(build_parser().parse_args(
+        ["--model", str(PREBUILT_CI.parent / "tinyworld-tools")])).trainer
+    assert (agent.lr, agent.reward_baseline, agent.ptx_coef) == (TOOLS_RECIPE["lr"], "batch_mean", 0.5)

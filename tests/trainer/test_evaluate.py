@@ -331,6 +331,8 @@ def test_several_seeds_table_shows_the_mean_and_curve_the_band(tmp_path: Path) -
     (["--track", "toolcall", "--proxy-url", "http://p", "--engine-url", "http://e"],
      "--track toolcall starts its own stacks"),
     (["--track", "tools"], "invalid choice: 'tools'"),
+    (["--probe-split", "train"], "--probe-split is for --track toolcall"),
+    (["--track", "toolcall", "--probe-split", "test"], "invalid choice: 'test'"),
     (["--ptx-coef", "-0.1"], "--kl-coef, --ptx-coef and --replay-coef must be >= 0"),
     (["--replay-coef", "-1"], "--kl-coef, --ptx-coef and --replay-coef must be >= 0"),
 ])
@@ -338,6 +340,23 @@ def test_bad_arguments_are_one_clear_line(argv: list[str], message: str,
                                           capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_toolcall_probe_asks_held_out_questions_unless_told_to_use_held_in_ones() -> None:
+    from trainer.envs.toolcall import ToolcallEnv
+    from trainer.eval.agents import _pool, _probe
+
+    world = World.build(0)
+    for argv, questions in (([], world.heldout), (["--probe-split", "train"], world.train)):
+        config = cli.parse_args(["--track", "toolcall", *argv])
+        probe = _probe(config)
+        asked = {ToolcallEnv(probe.seed + i, **probe.options).episode.question
+                 for i in range(probe.episodes)}
+        assert asked <= set(questions) and len(asked) > 20
+        # The dev probe's held-in episodes are other episodes than the training waves'.
+        trained = {_pool(config, r, w).seed + i for r in range(1, 9) for w in range(16)
+                   for i in range(16)}
+        assert not trained & {probe.seed + i for i in range(probe.episodes)}
 
 
 def test_the_toolcall_track_defaults_and_its_methods_settings() -> None:

@@ -82,12 +82,13 @@ def _pool(config: EvalConfig, rnd: int, wave: int) -> PoolConfig:
 
 
 def _probe(config: EvalConfig) -> PoolConfig:
-    """The probe: the same held-out episodes every round, as side turns, no outcome."""
+    """The probe: the same episodes every round (held-out questions unless the run asked for
+    held-in ones, `probe_split`), as side turns, no outcome."""
     return PoolConfig(env="toolcall", episodes=config.probes, concurrency=config.parallel * 4,
                       max_steps=MAX_STEPS, seed=10_000_000 + config.seed * 1000, max_tokens=96,
                       session_prefix="probe", headers={"X-Turn-Type": "side"},
                       post_outcome=False,
-                      options={"split": "heldout", "world_seed": config.world_seed})
+                      options={"split": config.probe_split, "world_seed": config.world_seed})
 
 
 def probe_row(config: EvalConfig, method: str, rnd: int, version: str, stats: dict[str, Any],

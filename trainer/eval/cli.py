@@ -132,6 +132,9 @@ def parse_args(argv: list[str]) -> EvalConfig:
                    help="--track toolcall: training episodes per question (each wave runs "
                         "every question this many times; with --reward-baseline group_mean "
                         "they are compared with each other)")
+    p.add_argument("--probe-split", choices=("heldout", "train"), default="heldout",
+                   help="--track toolcall: probe held-out questions (the default, the figure "
+                        "to report) or held-in ones (a dev check to tune settings on)")
     p.add_argument("--batch-size", type=int, default=None,
                    help=f"samples per version, per user with --personal (default "
                         f"{EvalConfig.batch_size}; {SMALL_BATCH} with --small)")
@@ -163,6 +166,8 @@ def parse_args(argv: list[str]) -> EvalConfig:
         args.lr = TOOLCALL_LR if toolcall else EvalConfig.lr
     if args.reward_baseline is None and toolcall:
         args.reward_baseline = TOOLCALL_BASELINE
+    if not toolcall and args.probe_split != "heldout":
+        raise SystemExit("clawrl eval: --probe-split is for --track toolcall")
     if toolcall and args.proxy_url:
         raise SystemExit("clawrl eval: --track toolcall starts its own stacks (no --proxy-url)")
     if args.methods is None:
@@ -223,6 +228,7 @@ def parse_args(argv: list[str]) -> EvalConfig:
                       ptx_coef=args.ptx_coef, replay_coef=args.replay_coef,
                       reward_baseline=args.reward_baseline,
                       mini_batches=args.mini_batches, group=args.group,
+                      probe_split=args.probe_split,
                       batch_size=args.batch_size, full_batches=not args.small,
                       round_timeout_s=args.round_timeout, proxy_url=args.proxy_url,
                       keep_db=args.keep_db, followups=args.followups,

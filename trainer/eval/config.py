@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trainer.config import TINYWORLD_RECIPE, tinyworld_recipe
+from trainer.config import TINYWORLD_RECIPE, TOOLS_RECIPE, tinyworld_recipe
 
 METHODS = ("combine", "rl", "opd", "none")
 # `--personal`: `combine` with one LoRA adapter per user (trainer/personal.py), against the
@@ -20,11 +20,10 @@ PERSONAL_PREFS = ("lowercase", "uppercase")
 TRACKS = ("chat", "toolcall")
 TRACK_METHODS = {"outcome+process": 0.5, "outcome": 1.0, "process": 0.0}
 TOOLCALL_METHODS = (*TRACK_METHODS, "none")
-# The tool-call track's learning rate (docs/eval.md): at the chat recipe's 8e-4 the agent's
-# tool-call JSON and answers fell apart within a few versions, at 4e-4 answers still lost
-# 10-30 points, at 2e-4 they held (0.92-0.98) and success went highest (0.53 -> 0.84).
-TOOLCALL_LR = 2e-4
-TOOLCALL_BASELINE = "batch_mean"
+# The tool-call track trains as `clawrl up` trains the tool-call model (trainer/config.py
+# TOOLS_RECIPE): its learning rate and the batch-mean baseline.
+TOOLCALL_LR = float(TOOLS_RECIPE["lr"])
+TOOLCALL_BASELINE = str(TOOLS_RECIPE["reward_baseline"])
 SMALL_ROUNDS = 4  # `--small`: a CI-sized run
 SMALL_BATCH = 32  # `--small` has one user: half the chat per version
 PARTIAL_AFTER_S = 45
@@ -89,6 +88,10 @@ class EvalConfig:
     mini_batches: int = 1
     # `--track toolcall`: training episodes per question (GRPO's group; 1: each its own).
     group: int = 1
+    # `--track toolcall`: which questions the probe asks. `heldout` (the figure reported):
+    # phrasings of facts never trained on. `train`: held-in questions, a dev check to tune
+    # settings on without reading the held-out set (other episodes than training's, by seed).
+    probe_split: str = "heldout"
     batch_size: int = int(TINYWORLD_RECIPE["batch_size"])
     round_timeout_s: float = 900.0
     # Train full batches only (FULL_BATCH_WAIT_S) except under `opd`; False (`--small`, the
