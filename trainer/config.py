@@ -48,7 +48,7 @@ TINYWORLD_RECIPE: dict[str, float | int] = {"lr": 8e-4, "kl_coef": 0.05, "batch_
 # of seeds 0-2 to 0.9 by v5-v8 with accuracy at most 3.0 points down (each user's own at most
 # 4.5; docs/eval.md "One adapter per user"). The style's reward pushes the same tokens every
 # step, the noise that garbles facts different ones, and the KL holds back the second more.
-PERSONAL_RECIPE: dict[str, float | int] = {"kl_coef": 0.2, "ptx_coef": 0.0}
+PERSONAL_RECIPE: dict[str, float | int | str] = {"kl_coef": 0.2, "ptx_coef": 0.0}
 # The tool-call model (`clawrl tinyworld build --tools`), over the recipe above, without its
 # corpus term: the tool-call track's learning rate and its batch-mean baseline
 # (docs/eval.md, "The tool-call track"). At the chat model's 8e-4 the agent's tool-call JSON
