@@ -622,3 +622,24 @@ def test_the_toolcall_track_trains_from_outcomes_through_the_real_stack(
     finally:
         server, name = url.rsplit("/", 1)
         drop_database(f"{server}/postgres", name)
+
+
+def test_the_default_model_dir_is_kept_at_the_shipped_build_a_named_one_as_it_is(
+        tmp_path: Path) -> None:
+    from trainer.eval.stack import ensure_model
+    from trainer.world.pretrain import MARKER, TOOLS_BUILD, build_key
+
+    # An older release's tool-call build in the state dir (another key): replaced.
+    for name in ("default", "named"):
+        stale = tmp_path / name / "tinyworld-tools"
+        stale.mkdir(parents=True)
+        (stale / "config.json").write_text("{}")
+        (stale / MARKER).write_text(json.dumps({"key": "an-older-build"}))
+    state = json.loads((ensure_model(tmp_path / "default" / "tinyworld-tools", tools=True,
+                                     default=True) / MARKER).read_text())
+    assert state["key"] == build_key(TOOLS_BUILD)
+    # A dir the user named is served as it is, whatever it holds.
+    named = ensure_model(tmp_path / "named" / "tinyworld-tools", tools=True)
+    assert json.loads((named / MARKER).read_text())["key"] == "an-older-build"
+    assert cli.parse_args(["--track", "toolcall"]).default_model
+    assert not cli.parse_args(["--track", "toolcall", "--model", str(named)]).default_model

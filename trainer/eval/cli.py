@@ -220,7 +220,8 @@ def parse_args(argv: list[str]) -> EvalConfig:
     model = args.model or state / "models" / ("tinyworld-tools" if toolcall else
                                               "tinyworld-ci" if args.small else "tinyworld")
     out = args.out or Path("runs") / time.strftime("eval-%Y%m%d-%H%M%S")
-    return EvalConfig(model=model, out=out, methods=methods, prefs=prefs,
+    return EvalConfig(model=model, default_model=args.model is None, out=out, methods=methods,
+                      prefs=prefs,
                       users_per_pref=args.users_per_pref, rounds=args.rounds,
                       sessions=args.sessions, parallel=args.parallel, probes=args.probes,
                       seed=seeds[0], seeds=seeds,
@@ -250,7 +251,7 @@ def main(argv: list[str]) -> int:
     config.out.mkdir(parents=True, exist_ok=True)
     try:
         ensure_model(config.model, small=bool(config.extra_env.pop("SMALL", "")),
-                     tools=config.track == "toolcall")
+                     tools=config.track == "toolcall", default=config.default_model)
     except (OSError, RuntimeError) as exc:
         print(f"clawrl eval: cannot build the model at {config.model}: {exc}", file=sys.stderr)
         return 1

@@ -46,6 +46,9 @@ CONNECTED = "connected"
 class EvalConfig:
     model: Path
     out: Path
+    # `model` is the tiny world's default dir in the state dir (no --model): built there, and
+    # kept at the current build (trainer/eval/stack.py `ensure_model`).
+    default_model: bool = False
     methods: tuple[str, ...] = METHODS
     prefs: tuple[str, ...] = ("lowercase", "brief")
     users_per_pref: int = 1

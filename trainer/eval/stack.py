@@ -26,13 +26,16 @@ __all__ = ["StackError", "drop_database", "ensure_model", "fresh_database", "run
 
 
 
-def ensure_model(model: Path, small: bool = False, tools: bool = False) -> Path:
-    """The model dir to serve: any Hugging Face model dir as it is, else the tiny world
-    model built (and cached) there (`small`: the CI-sized build; `tools`: the tool-call
-    model)."""
+def ensure_model(model: Path, small: bool = False, tools: bool = False,
+                 default: bool = False) -> Path:
+    """The model dir to serve: a dir the user named (`default` False) as it is when it holds
+    a model, else the tiny world model built there (`small`: the CI-sized build; `tools`: the
+    tool-call model). The default dir in the state dir is kept at the current build: one
+    an older release left there (another build key) is replaced by the shipped build, as
+    `clawrl up` does (the builder returns at once when it is current)."""
     from trainer.world.pretrain import CI, FULL, build, build_tools
 
-    if (model / "config.json").is_file():
+    if (model / "config.json").is_file() and not default:
         return model
     model.parent.mkdir(parents=True, exist_ok=True)
     return build_tools(model) if tools else build(model, CI if small else FULL)
