@@ -69,12 +69,15 @@ class ToolsConfig:
     with the compact tools chat template. Longer rows: an episode is 250-450 tokens."""
 
     seed: int = 0
-    tool_share: float = 0.5  # share of examples that are tool-call episodes
+    # Share of examples that are tool-call episodes. At 0.5 the model read one template blind
+    # ("Tell me about X's pet." and "... X's work." alike: p(`job`) 0.81 at the attribute);
+    # at 0.75 a forced lookup names the right attribute at p 0.999 (docs/eval.md).
+    tool_share: float = 0.75
     seq_len: int = 512
     batch_size: int = 16
     # 600 steps left the model reading questions loosely: the right attribute of a forced
     # lookup got p 0.88 on average, so a sampled lookup missed about one in eight, and the
-    # tool-call track's success stopped short of 0.9; 1200 give p 0.95 (docs/eval.md).
+    # tool-call track's success stopped short of 0.9; 1200 gave p 0.95 (docs/eval.md).
     steps: int = 1200
     lr: float = 1e-3
     warmup: int = 20
