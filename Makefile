@@ -27,7 +27,7 @@ up: $(STAMP)
 	$(BIN)/clawrl up
 
 test: $(STAMP)
-	$(BIN)/ruff check proxy judge trainer tests
+	$(BIN)/ruff check clawrl proxy judge trainer tests
 	$(BIN)/mypy
 	# Two workers, a test file each at a time (module fixtures stay in one process): most
 	# tests wait on servers they started, so two at once fill the two cores of CI's machine.

@@ -96,7 +96,7 @@ PY
 }
 
 pull() {
-    "$PYTHON" -m proxy.cli models pull smollm2-135m --out "$SMOLLM2"
+    "$PYTHON" -m clawrl.cli.main models pull smollm2-135m --out "$SMOLLM2"
 }
 
 sglang_start() {
@@ -111,7 +111,7 @@ sglang_start() {
 engine_check() {
     "$PYTHON" - "$ENGINE_URL" <<'PY'
 import os, sys
-from proxy.engine_check import JUDGE_NEEDS, PROXY_NEEDS, TRAINER_NEEDS, check_at_start
+from clawrl.base.engine_check import JUDGE_NEEDS, PROXY_NEEDS, TRAINER_NEEDS, check_at_start
 problem = check_at_start(sys.argv[1], (*PROXY_NEEDS, *JUDGE_NEEDS, *TRAINER_NEEDS),
                          api_key=os.environ["CLAWRL_ENGINE__API_KEY"], timeout=120)
 print(problem or "chat ids, streamed ids, weight version, teacher logprobs: all there")
@@ -120,11 +120,11 @@ PY
 }
 
 proxy_chat() {
-    "$PYTHON" -m proxy.cli db upgrade || return 1
+    "$PYTHON" -m clawrl.cli.main db upgrade || return 1
     local key
-    key=$("$PYTHON" -m proxy.cli users create "gpucheck$RANDOM" | grep -o 'ck-[^ ]*' | tail -1)
+    key=$("$PYTHON" -m clawrl.cli.main users create "gpucheck$RANDOM" | grep -o 'ck-[^ ]*' | tail -1)
     [[ -n "$key" ]] || { echo "no API key from clawrl users create"; return 1; }
-    CLAWRL_PROXY__PORT=$PROXY_PORT "$PYTHON" -m proxy.cli proxy >"$OUT/proxy-server.log" 2>&1 &
+    CLAWRL_PROXY__PORT=$PROXY_PORT "$PYTHON" -m clawrl.cli.main proxy >"$OUT/proxy-server.log" 2>&1 &
     local pid=$!
     PIDS+=("$pid")
     wait_http "http://127.0.0.1:$PROXY_PORT/readyz" 120 "$pid" || { tail -30 "$OUT/proxy-server.log"; return 1; }
@@ -142,9 +142,9 @@ answer = r.json()["choices"][0]["message"]["content"]
 if "Paris" not in answer:
     raise SystemExit(f"unexpected answer: {answer!r}")
 from sqlalchemy import text
-from proxy.dbcli import resolve_url
-from proxy.db import create_engine
-from proxy.settings import load_settings
+from clawrl.base.dbcli import resolve_url
+from clawrl.base.db import create_engine
+from clawrl.base.settings import load_settings
 db = create_engine(resolve_url(load_settings()))
 for _ in range(60):  # the proxy stores turns in the background
     with db.connect() as conn:
@@ -165,7 +165,7 @@ publish() {  # version, model folder to publish
 import shutil, sys
 from pathlib import Path
 import httpx
-from proxy.settings import EngineSettings, load_settings
+from clawrl.base.settings import EngineSettings, load_settings
 from trainer.export import write_version
 from trainer.publish import publish_version
 version, src, base, weights = int(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4])
@@ -252,7 +252,7 @@ megatron_bf16() {
     "$PYTHON" - "$OUT/random-model" <<'PY' || return 1
 import sys
 from pathlib import Path
-from trainer.backends.megatron_bench import random_model
+from clawrl.bench.megatron import random_model
 random_model(Path(sys.argv[1]))
 PY
     run_check random "$OUT/random-model" || return 1

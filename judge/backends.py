@@ -19,6 +19,7 @@ from typing import Any
 
 import httpx
 
+from clawrl.base.settings import EngineSettings
 from judge.config import JudgeSettings
 from judge.errors import (
     CONNECT_FAILURES,
@@ -30,7 +31,6 @@ from judge.errors import (
     says_too_long,
 )
 from judge.parse import storable
-from proxy.settings import EngineSettings
 
 # The model name sent to (and stored for) a judge engine at CLAWRL_JUDGE__URL.
 JUDGE_ENGINE_MODEL = "judge"

@@ -14,8 +14,8 @@ from typing import Literal
 from pydantic import BaseModel, Field, SecretStr, ValidationError, model_validator
 from pydantic_settings import SettingsConfigDict
 
+from clawrl.base.settings import Settings
 from judge.prompts import DEFAULT_VERSION
-from proxy.settings import Settings
 
 
 class OpenAIBackendSettings(BaseModel):
@@ -77,7 +77,7 @@ class JudgeSettings(BaseModel):
 
 
 # How the judge worker talks to the shipped judge model (`clawrl judge serve`, started by
-# `clawrl up`; trainer/judgemodel/): the prompts it was trained on (v5: one prompt, answered
+# `clawrl up`; clawrl/judgemodel/): the prompts it was trained on (v5: one prompt, answered
 # with the score first and then the hint; an agent's step shown above what came back), the
 # PRM votes drawn from that greedy answer's distribution over its first token, the same
 # answer as the one hint vote (docs/judge.md).

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from sqlalchemy import insert, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from clawrl.base.db import ChatSession, Feedback, Job, Judgment, Sample, Turn, User
+from clawrl.base.jobs import OUTCOME_ONLY, ClaimedJob, complete_stmt
 from judge.backends import ChatBackend
 from judge.config import JudgeSettings
 from judge.errors import JobInvalid, PromptTooLong, first_error
@@ -51,8 +53,6 @@ from judge.prompts import (
     score_first,
 )
 from judge.teacher import TeacherEngine, TeacherResult, compute_teacher_logprobs
-from proxy.db import ChatSession, Feedback, Job, Judgment, Sample, Turn, User
-from proxy.jobs import OUTCOME_ONLY, ClaimedJob, complete_stmt
 
 log = logging.getLogger("clawrl.judge")
 

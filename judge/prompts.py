@@ -1,7 +1,7 @@
 """Versioned judge prompts: load the template files and render a turn into them.
 
 Pure functions over plain JSON-like data, stdlib only. docs/judge-format.md documents this
-rendering exactly, because the tiny world model's pretraining corpus (trainer/world/corpus.py)
+rendering exactly, because the tiny world model's pretraining corpus (clawrl/world/corpus.py)
 replicates it without importing this module.
 
 Templates live in `judge/templates/{kind}_{version}.txt` (kind: prm, hint, teacher; or judge

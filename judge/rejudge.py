@@ -16,8 +16,8 @@ import sys
 
 from sqlalchemy import Engine, text
 
+from clawrl.base.jobs import JOB_CHANNEL
 from judge.prompts import check_version
-from proxy.jobs import JOB_CHANNEL
 
 # One statement: insert the jobs and notify the workers (delivered at commit).
 _REJUDGE_SQL = """
@@ -61,10 +61,10 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     from pydantic import ValidationError
 
+    from clawrl.base.db import create_engine
+    from clawrl.base.dbcli import resolve_admin_url
+    from clawrl.base.statefile import apply_to_env
     from judge.config import describe_settings_error, load_judge_settings
-    from proxy.db import create_engine
-    from proxy.dbcli import resolve_admin_url
-    from proxy.statefile import apply_to_env
 
     apply_to_env(os.environ)  # the running `clawrl up`'s database, from any folder
 

@@ -23,6 +23,12 @@ from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from clawrl.base.engine_client import (
+    EngineBadRequest,
+    EngineClient,
+    EngineClientError,
+    EngineProtocolError,
+)
 from judge.errors import (
     CONNECT_FAILURES,
     BackendRejected,
@@ -33,12 +39,6 @@ from judge.errors import (
     says_too_long,
 )
 from judge.prompts import teacher_messages
-from proxy.engine_client import (
-    EngineBadRequest,
-    EngineClient,
-    EngineClientError,
-    EngineProtocolError,
-)
 
 T = TypeVar("T")
 
@@ -53,7 +53,7 @@ class TeacherResult:
 
 
 class TeacherEngine:
-    """The engine calls the teacher needs (through proxy.engine_client), with the engine's
+    """The engine calls the teacher needs (through clawrl.base.engine_client), with the engine's
     errors translated to judge errors here, at one boundary."""
 
     def __init__(self, client: EngineClient, *, concurrency: int) -> None:

@@ -3,7 +3,7 @@
 Run: `clawrl judge [--concurrency N] [--name NAME]` (settings: `CLAWRL_JUDGE__…`, see
 judge/config.py), or `clawrl judge rejudge --since ISO --prompt-version V` (judge/rejudge.py).
 
-Loop: LISTEN on proxy.jobs.JOB_CHANNEL (NOTIFY is sent in the enqueueing transaction, so a
+Loop: LISTEN on clawrl.base.jobs.JOB_CHANNEL (NOTIFY is sent in the enqueueing transaction, so a
 new job starts within a second), with a short poll as fallback (backoffs and expired
 leases of killed workers come back by time, not by notification). Up to `concurrency` jobs
 run at once; each holds a lease that a heartbeat keeps extending while it runs.
@@ -34,6 +34,18 @@ import psycopg
 from pydantic import ValidationError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from clawrl.base.db import create_async, libpq_url
+from clawrl.base.engine_client import EngineClient
+from clawrl.base.jobs import (
+    JOB_CHANNEL,
+    ClaimedJob,
+    claim_stmt,
+    claimed_job,
+    extend_lease_stmt,
+    fail_stmt,
+    retry_stmt,
+)
+from clawrl.base.settings import EngineSettings
 from judge.backends import ChatBackend, build_judge_backend, http_client
 from judge.config import (
     JudgeProcessSettings,
@@ -44,18 +56,6 @@ from judge.config import (
 from judge.errors import BackendUnreachable, JudgeError
 from judge.judgment import judge_job
 from judge.teacher import TeacherEngine
-from proxy.db import create_async, libpq_url
-from proxy.engine_client import EngineClient
-from proxy.jobs import (
-    JOB_CHANNEL,
-    ClaimedJob,
-    claim_stmt,
-    claimed_job,
-    extend_lease_stmt,
-    fail_stmt,
-    retry_stmt,
-)
-from proxy.settings import EngineSettings
 
 log = logging.getLogger("clawrl.judge")
 JOB_KIND = "judge"
@@ -326,7 +326,7 @@ def main(argv: list[str]) -> int:
     except ValidationError as exc:
         print(f"clawrl judge: bad settings: {describe_settings_error(exc)}", file=sys.stderr)
         return 2
-    from proxy.dbcli import resolve_url
+    from clawrl.base.dbcli import resolve_url
 
     try:
         db_url = resolve_url(settings)
@@ -336,7 +336,7 @@ def main(argv: list[str]) -> int:
         print(f"clawrl judge: cannot use the database: {first}", file=sys.stderr)
         return 1
     if settings.judge.teacher_enabled:  # the teacher engine must score fixed responses
-        from proxy.engine_check import check_at_start
+        from clawrl.base.engine_check import check_at_start
 
         problem = check_at_start(teacher_client(settings.judge, settings.engine),
                                  ("teacher_logprobs",))

@@ -1,1 +1,1 @@
-"""Alembic migrations for the clawrl schema (models of record: proxy/db.py)."""
+"""Alembic migrations for the clawrl schema (models of record: clawrl/base/db.py)."""

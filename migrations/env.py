@@ -2,7 +2,7 @@
 
 from alembic import context
 
-from proxy.db import Base, create_engine
+from clawrl.base.db import Base, create_engine
 
 config = context.config
 target_metadata = Base.metadata
@@ -10,7 +10,7 @@ target_metadata = Base.metadata
 
 def run_migrations_online() -> None:
     url = config.get_main_option("sqlalchemy.url")
-    assert url, "proxy.dbcli sets sqlalchemy.url"
+    assert url, "clawrl.base.dbcli sets sqlalchemy.url"
     connectable = create_engine(url)
     with connectable.connect() as connection:
         context.configure(connection=connection, target_metadata=target_metadata,

@@ -1,3 +1,4 @@
-"""clawrl proxy: the OpenAI-compatible front door, the database and the job queue, the admin
-CLI. Imports only itself: never judge or trainer at import time (subcommands are loaded by
-name), and never torch, transformers or megatron (tests/test_boundaries.py)."""
+"""clawrl proxy: the OpenAI-compatible front door: the chat hot path, sessions, the turn log
+writer and its journal, per-user keys and fair share, the admin API and the console
+(console/). Imports the base (clawrl/base/) and itself only; never torch
+(tests/test_boundaries.py)."""

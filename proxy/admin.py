@@ -41,9 +41,7 @@ from sqlalchemy import delete, func, insert, select, update
 from sqlalchemy.exc import IntegrityError, InterfaceError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from proxy.auth import bearer_token, generate_key, hash_secret, parse_prefix
-from proxy.console import print_csv, print_table, run_cli, run_readonly_sql
-from proxy.db import (
+from clawrl.base.db import (
     AdapterVersion,
     ApiKey,
     DeadLetter,
@@ -54,8 +52,8 @@ from proxy.db import (
     UserAdapter,
     create_async,
 )
-from proxy.engine_client import EngineClient, EngineClientError
-from proxy.errors import (
+from clawrl.base.engine_client import EngineClient, EngineClientError
+from clawrl.base.errors import (
     BadRequest,
     ClawrlError,
     Forbidden,
@@ -63,8 +61,10 @@ from proxy.errors import (
     Unauthorized,
     Unavailable,
 )
+from clawrl.base.settings import EngineSettings, load_settings
+from proxy.admin_cli import print_csv, print_table, run_cli, run_readonly_sql
+from proxy.auth import bearer_token, generate_key, hash_secret, parse_prefix
 from proxy.journal import Journal
-from proxy.settings import EngineSettings, load_settings
 
 log = logging.getLogger("clawrl.proxy.admin")
 

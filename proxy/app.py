@@ -3,7 +3,7 @@
     clawrl proxy [--host 127.0.0.1] [--port 8000]
 
 Settings come from the environment (`CLAWRL_ENGINE__URL`, `CLAWRL_DATABASE__URL`, ...;
-see proxy/settings.py); with no database URL an embedded Postgres is started. The database
+see clawrl/base/settings.py); with no database URL an embedded Postgres is started. The database
 must be migrated (`clawrl db upgrade`; `clawrl up` does it).
 
 Shared resources live in the lifespan: the engine connections (a lean keep-alive pool for
@@ -34,16 +34,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from clawrl.base.db import create_async
+from clawrl.base.errors import ClawrlError, NotFound, PayloadTooLarge
+from clawrl.base.logs import setup_logging
+from clawrl.base.settings import Settings, load_settings
 from proxy.auth import Authenticator
 from proxy.chat import ChatEndpoint, ClientGone, read_body, send_json
-from proxy.db import create_async
-from proxy.errors import ClawrlError, NotFound, PayloadTooLarge
+from proxy.endpoints import router
 from proxy.journal import Journal
-from proxy.logs import setup_logging
 from proxy.metrics import MetricsMiddleware, ProxyMetrics
-from proxy.routes import router
 from proxy.sessions import close_stale_turns
-from proxy.settings import Settings, load_settings
 from proxy.store import TurnWriter
 from proxy.upstream import CHAT_PATH, Upstream, create_client, create_pool
 
@@ -198,7 +198,7 @@ def create_app(settings: Settings, *, db_url: str | None = None,
         admin = None
     if admin is not None and hasattr(admin, "admin_router"):
         app.include_router(admin.admin_router)
-    from proxy.web.routes import console_router  # the admin console (/console)
+    from proxy.console.pages import console_router  # the admin console (/console)
 
     app.include_router(console_router)
     return app
@@ -236,7 +236,7 @@ def main(argv: list[str]) -> int:
         print(f"clawrl proxy: {problem}", file=sys.stderr)
         return 2
     settings.engine.url = args.engine_url
-    from proxy import dbcli
+    from clawrl.base import dbcli
 
     try:
         url = dbcli.resolve_url(settings)
@@ -245,8 +245,8 @@ def main(argv: list[str]) -> int:
     except (ArgumentError, ValueError, OSError) as exc:
         print(f"clawrl proxy: bad database URL: {exc}", file=sys.stderr)
         return 2
-    from proxy.engine_check import PROXY_NEEDS, check_at_start
-    from proxy.engine_client import EngineClient
+    from clawrl.base.engine_check import PROXY_NEEDS, check_at_start
+    from clawrl.base.engine_client import EngineClient
 
     problem = check_at_start(EngineClient.from_settings(settings.engine), PROXY_NEEDS)
     if problem:  # e.g. an SGLang that returns no token ids: nothing it serves could train

@@ -26,10 +26,10 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from proxy.db import ApiKey, User, UserAdapter
-from proxy.errors import RateLimited, Unauthorized, Unavailable
+from clawrl.base.db import ApiKey, User, UserAdapter
+from clawrl.base.errors import RateLimited, Unauthorized, Unavailable
+from clawrl.base.settings import ProxySettings
 from proxy.limits import KeyLimits
-from proxy.settings import ProxySettings
 
 KEY_PREFIX = "ck"
 

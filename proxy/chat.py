@@ -29,8 +29,14 @@ import orjson
 from starlette.datastructures import State
 from starlette.types import Message, Receive, Scope, Send
 
+from clawrl.base.errors import (
+    BadRequest,
+    ClawrlError,
+    PayloadTooLarge,
+    UpstreamError,
+    UpstreamTimeout,
+)
 from proxy.auth import Principal
-from proxy.errors import BadRequest, ClawrlError, PayloadTooLarge, UpstreamError, UpstreamTimeout
 from proxy.limits import Lease, estimate_tokens, used_tokens
 from proxy.openai_types import ChatCompletionRequest, parse_chat_request, parse_outcome_header
 from proxy.records import TurnRecord

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from proxy.errors import RateLimited
+from clawrl.base.errors import RateLimited
 
 # Completion tokens assumed for admission when the request sets no `max_tokens`.
 DEFAULT_COMPLETION_ESTIMATE = 256

@@ -27,7 +27,7 @@ from pydantic import (
     model_validator,
 )
 
-from proxy.errors import BadRequest
+from clawrl.base.errors import BadRequest
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 

@@ -43,8 +43,8 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 from sqlalchemy.types import ARRAY
 
-from proxy.db import ChatSession, Turn
-from proxy.jobs import OUTCOME_ONLY, enqueue_stmt, notify_stmt
+from clawrl.base.db import ChatSession, Turn
+from clawrl.base.jobs import OUTCOME_ONLY, enqueue_stmt, notify_stmt
 from proxy.openai_types import loads_bounded
 from proxy.records import TurnRecord
 

@@ -22,7 +22,7 @@ import anyio
 import httpx
 import orjson
 
-from proxy.errors import ClawrlError, UpstreamError
+from clawrl.base.errors import ClawrlError, UpstreamError
 from proxy.upstream import ChatStream, translate
 
 DONE = b"data: [DONE]\n\n"

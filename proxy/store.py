@@ -52,7 +52,7 @@ from sqlalchemy.exc import (
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from proxy.db import DeadLetter, User
+from clawrl.base.db import DeadLetter, User
 from proxy.journal import BadLine, Journal
 from proxy.records import TurnRecord, scrub_nul
 from proxy.sessions import record_turns

@@ -23,9 +23,9 @@ from typing import Any, Protocol
 import httpx
 import orjson
 
+from clawrl.base.errors import BadRequest, ClawrlError, UpstreamError, UpstreamTimeout
+from clawrl.base.settings import EngineSettings
 from proxy.engine_http import EnginePool, EngineResponse
-from proxy.errors import BadRequest, ClawrlError, UpstreamError, UpstreamTimeout
-from proxy.settings import EngineSettings
 
 CHAT_PATH = "/v1/chat/completions"
 _JSON = {"Content-Type": "application/json"}

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import httpx
 
-from proxy.bench_procs import free_port
+from clawrl.cli.ports import free_port
 
 __all__ = ["ChildServer", "free_port"]
 

@@ -16,7 +16,7 @@ import psycopg
 import pytest
 from sqlalchemy.engine import make_url
 
-from proxy import dbcli
+from clawrl.base import dbcli
 
 ADMIN_URL = os.environ.get("CLAWRL_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
 
@@ -74,7 +74,7 @@ def empty_db_url() -> Iterator[str]:
         conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
-# --- the tiny model and the embedded engine (trainer/world/model.py, trainer/engine/) ---
+# --- the tiny model and the embedded engine (clawrl/world/model.py, clawrl/engine/) ---
 
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -92,16 +92,16 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     Built in a child process so tests that only talk HTTP never import torch themselves.
     """
     path = tmp_path_factory.mktemp("tinyworld") / "model"
-    subprocess.run([sys.executable, "-m", "trainer.world", "init", str(path), "--seed", "0"],
+    subprocess.run([sys.executable, "-m", "clawrl.world", "init", str(path), "--seed", "0"],
                    check=True, capture_output=True, text=True)
     return path
 
 
 class _EngineProcess(ChildServer):
-    """One `python -m trainer.engine` child; stopped (only it) at teardown."""
+    """One `python -m clawrl.engine` child; stopped (only it) at teardown."""
 
     def __init__(self, model_dir: Path, log_path: Path, extra: list[str]) -> None:
-        super().__init__("engine", [sys.executable, "-m", "trainer.engine", "--model",
+        super().__init__("engine", [sys.executable, "-m", "clawrl.engine", "--model",
                                     str(model_dir), "--port", "{port}", "--threads", "1",
                                     *extra],
                          log_path, ready_path="/health",
@@ -157,7 +157,7 @@ def engine_url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
         engine.stop()
 
 
-# --- the pretrained tiny world models, test and CI sizes (trainer/world/pretrain.py) ---
+# --- the pretrained tiny world models, test and CI sizes (clawrl/world/pretrain.py) ---
 
 import hashlib  # noqa: E402
 
@@ -166,8 +166,8 @@ _REPO = Path(__file__).resolve().parent.parent
 
 def _tinyworld_code_hash() -> str:
     h = hashlib.sha256()
-    files = [_REPO / "trainer" / "world" / f for f in
-             ("town.py", "corpus.py", "pretrain.py", "report.py", "model.py")]
+    files = [_REPO / "clawrl" / "world" / f for f in
+             ("town.py", "corpus.py", "pretrain.py", "report.py", "model.py", "recipe.py")]
     for path in files + sorted((_REPO / "judge" / "templates").glob("*.txt")):
         h.update(path.read_bytes())
     return h.hexdigest()[:12]
@@ -182,7 +182,7 @@ path = Path(sys.argv[1])
 with open(path.parent / "tinyworld.lock", "w") as lock:
     fcntl.flock(lock, fcntl.LOCK_EX)
     if not (path / "tinyworld.json").is_file():
-        subprocess.run([sys.executable, "-m", "trainer.world", "build", str(path),
+        subprocess.run([sys.executable, "-m", "clawrl.world", "build", str(path),
                         sys.argv[2]], check=True)
 """
 _background_builds: dict[str, subprocess.Popen[bytes]] = {}

@@ -1,11 +1,11 @@
-"""Running one request through an embedded engine's scheduler (trainer/engine/scheduler.py)
+"""Running one request through an embedded engine's scheduler (clawrl/engine/scheduler.py)
 on the test's own thread: submit it, wait until it has finished."""
 
 from __future__ import annotations
 
 import threading
 
-from trainer.engine.scheduler import Scheduler, Sequence
+from clawrl.engine.scheduler import Scheduler, Sequence
 
 
 def run_to_end(scheduler: Scheduler, seq: Sequence, timeout_s: float) -> Sequence:

@@ -23,8 +23,8 @@ import uvicorn
 from fastapi import FastAPI
 from sqlalchemy.engine import make_url
 
+from clawrl.bench.procs import TcpRelay  # noqa: F401  (re-exported for the tests)
 from proxy.auth import generate_key
-from proxy.bench_procs import TcpRelay  # noqa: F401  (re-exported for the tests)
 
 ProxyFactory = Callable[..., Awaitable["RunningProxy"]]
 
@@ -115,8 +115,8 @@ async def serve(app: FastAPI) -> AsyncIterator[str]:
 @contextlib.asynccontextmanager
 async def running_proxy(engine_url: str, db_url: str, state_dir: Any) -> AsyncIterator[str]:
     """The real proxy app (default settings) on a free port; yields its base URL."""
+    from clawrl.base.settings import load_settings
     from proxy.app import create_app
-    from proxy.settings import load_settings
 
     settings = load_settings(state_dir=state_dir, engine={"url": engine_url},
                              proxy={"journal_path": state_dir / "journal.jsonl"})

@@ -24,7 +24,7 @@ import torch
 from sqlalchemy import func, select
 from sqlalchemy.engine import Engine
 
-from proxy.db import PolicyVersion, TrainingStep
+from clawrl.base.db import PolicyVersion, TrainingStep
 from trainer.backends.base import Backend
 from trainer.config import TrainerSettings
 from trainer.export import (

@@ -1,4 +1,4 @@
-"""Trainer settings (`CLAWRL_TRAINER__…`), in the style of `proxy/settings.py`.
+"""Trainer settings (`CLAWRL_TRAINER__…`), in the style of `clawrl/base/settings.py`.
 
     CLAWRL_TRAINER__METHOD=combine CLAWRL_TRAINER__LR=5e-5 CLAWRL_TRAINER__BATCH_SIZE=16 clawrl train
 
@@ -14,7 +14,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, model_validator
 
-from proxy.settings import Settings as ProxyProcessSettings
+from clawrl.base.settings import Settings as ProxyProcessSettings
 
 Method = Literal["rl", "opd", "combine"]
 
@@ -31,50 +31,27 @@ class LoraSettings(BaseModel):
                                  "gate_proj", "up_proj", "down_proj"])
 
 
-# How the tiny world model (a directory with `tinyworld.json`) is trained unless these are
-# set: what `clawrl eval` measured it learning with (docs/eval.md: ≥ 0.9 within 8 versions
-# on three seeds, accuracy within 5 points). The general defaults below are for real models.
-# `adapter_lr`: personal mode's adapters (chosen on a tuning seed apart from the reported
-# ones: 4e-3 reached 0.9 at v5 but cost 7.8 points of accuracy, 2.5e-3 at v7 within 3.1).
-# `ptx_coef`: the world's own corpus mixed into every step (trainer/ptx.py), chosen on seed 9
-# (0.5 was slower to learn, 0.25 kept accuracy within 1.8 points); on seeds 0-2 it kept the
-# worst accuracy at -2.3 / -3.0 / -1.0 points where without it seed 2 fell 11.6 (docs/eval.md).
-TINYWORLD_RECIPE: dict[str, float | int] = {"lr": 8e-4, "kl_coef": 0.05, "batch_size": 64,
-                                            "adapter_lr": 3e-3, "ptx_coef": 0.25}
-# Personal mode's adapters on the tiny world, over the recipe above: a KL to the base four
-# times the shared model's instead of the corpus term. The corpus term kept the adapters'
-# facts but held them below 0.9 (0.84-0.89 at v8 on seeds 0 and 9). A KL of 0.2, chosen on
-# the tuning seed 9 (0.9 at v5 / v6, accuracy -4.8; 0.3 left a user at 0.89), took every user
-# of seeds 0-2 to 0.9 by v5-v8 with accuracy at most 3.0 points down (each user's own at most
-# 4.5; docs/eval.md "One adapter per user"). The style's reward pushes the same tokens every
-# step, the noise that garbles facts different ones, and the KL holds back the second more.
-PERSONAL_RECIPE: dict[str, float | int | str] = {"kl_coef": 0.2, "ptx_coef": 0.0}
-# The tool-call model (`clawrl tinyworld build --tools`), over the recipe above, without its
-# corpus term: the tool-call track's learning rate and its batch-mean baseline
-# (docs/eval.md, "The tool-call track"). At the chat model's 8e-4 the agent's tool-call JSON
-# and answers fell apart within a few versions; at 2e-4 they held.
-TOOLS_RECIPE: dict[str, float | int | str] = {"lr": 2e-4, "reward_baseline": "batch_mean"}
+# A model directory may say how it trains: `recipe.json` beside its weights, written by
+# whoever built it (the tiny world's build writes one, clawrl/world/recipe.py):
+#     {"train": {setting: value, …},      what the trainer uses unless it was set
+#      "personal": {setting: value, …},   over "train", for personal mode's adapters
+#      "ptx_data": "ptx.jsonl"}           the corpus term's data, relative to the directory
+# The trainer reads it as data; it never imports whoever wrote it.
+RECIPE_FILE = "recipe.json"
 
 
-def tinyworld_recipe(*, tools: bool = False, personal: bool = False,
-                     ) -> dict[str, float | int | str]:
-    """The tiny world's training settings: the tool-call model (`tools`) takes TOOLS_RECIPE and
-    no corpus term, its corpus being mostly the first moves an agent is trained away from
-    (docs/eval.md, the tool-call track); personal mode's adapters take PERSONAL_RECIPE over the
-    shared one."""
-    recipe: dict[str, float | int | str] = dict(TINYWORLD_RECIPE)
-    if tools:
-        del recipe["ptx_coef"]
-        recipe |= TOOLS_RECIPE
-    return recipe | PERSONAL_RECIPE if personal else recipe
-
-
-def model_recipe(model_dir: Path, *, personal: bool = False) -> dict[str, float | int | str]:
-    """The training settings a model directory comes with (the tiny world's), else none."""
-    info = model_dir / "tinyworld.json"
-    if not info.is_file():
+def model_recipe(model_dir: Path, *, personal: bool = False) -> dict[str, object]:
+    """The training settings a model directory comes with (its recipe.json), else none."""
+    path = model_dir / RECIPE_FILE
+    if not path.is_file():
         return {}
-    return tinyworld_recipe(tools="tools" in json.loads(info.read_text()), personal=personal)
+    recipe = json.loads(path.read_text())
+    settings: dict[str, object] = dict(recipe.get("train", {}))
+    if personal:
+        settings |= recipe.get("personal", {})
+    if recipe.get("ptx_data"):  # used when ptx_coef > 0, from the recipe or set
+        settings["ptx_data"] = model_dir / recipe["ptx_data"]
+    return settings
 
 
 class TrainerSettings(BaseModel):

@@ -45,7 +45,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.engine import Connection, Engine
 
-from proxy.db import ChatSession, PolicyVersion, Sample, TrainingStep, Turn, User
+from clawrl.base.db import ChatSession, PolicyVersion, Sample, TrainingStep, Turn, User
 from trainer.config import TrainerSettings
 from trainer.loss import group_baseline, mix_rewards, reward_baseline
 from trainer.ptx import PtxExample

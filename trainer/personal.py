@@ -47,9 +47,9 @@ from sqlalchemy import Table, delete, func, select, text, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.engine import Engine
 
-from proxy.db import AdapterVersion, UserAdapter, create_engine
-from proxy.engine_client import absent_adapter
-from proxy.settings import EngineSettings
+from clawrl.base.db import AdapterVersion, UserAdapter, create_engine
+from clawrl.base.engine_client import absent_adapter
+from clawrl.base.settings import EngineSettings
 from trainer.backends.torch import TorchBackend
 from trainer.config import Settings
 from trainer.data import STEPS, Claim, claim_batch, record_step, replay_of
@@ -416,7 +416,7 @@ def train_user(settings: Settings, db: Engine, backend: TorchBackend, user_id: i
 def train_personal(settings: Settings, *, max_steps: int | None = None, once: bool = False,
                    should_stop: Any = None, backend: TorchBackend | None = None) -> int:
     """The personal trainer loop (module docstring). Returns the number of ok steps."""
-    from proxy.dbcli import resolve_url
+    from clawrl.base.dbcli import resolve_url
 
     cfg = settings.trainer
     stop = should_stop or (lambda: False)

@@ -13,14 +13,14 @@ every token for plain text). It never reads the users' data, so it adds nothing 
 
 `ptx_data` is a JSONL file, one example per line: `{"messages": [...]}` (OpenAI chat messages;
 the loss is on the assistant messages, rendered with the model's own chat template) or
-`{"text": "..."}` (the loss is on every token). For the tiny world, left unset, the data is
-the world's own chat corpus (`write_tinyworld_ptx`).
+`{"text": "..."}` (the loss is on every token). Left unset, the data is the model
+directory's own when its recipe.json names one (the tiny world's build writes its chat corpus
+there).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -30,8 +30,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from trainer.engine.chat import normalise_message
-from trainer.engine.protocol import EngineError
+from clawrl.engine.chat import normalise_message
+from clawrl.engine.protocol import EngineError
 
 
 class PtxDataError(ValueError):
@@ -49,7 +49,7 @@ def _chat_ids(tokenizer: Any, messages: list[dict[str, Any]],
     """Token ids of the rendered chat and a mask over them: 1 on each assistant message's
     tokens (its content or tool calls and end marker), found as what rendering that message
     adds to the prompt rendered before it (the generation prompt included), so the chat
-    template's own wording decides, as in the engine (trainer/engine/chat.py `prompt_ids`)."""
+    template's own wording decides, as in the engine (clawrl/engine/chat.py `prompt_ids`)."""
     def render(upto: int, generation_prompt: bool) -> list[int]:
         text = tokenizer.apply_chat_template(messages[:upto], tools=tools, tokenize=False,
                                              add_generation_prompt=generation_prompt)
@@ -162,31 +162,3 @@ def pad_examples(picked: list[PtxExample], pad_id: int = 0) -> tuple[Tensor, Ten
         attn[b, :len(e.ids)] = 1
         mask[b, :len(e.mask)] = torch.tensor(e.mask, dtype=mask.dtype)
     return ids, attn, mask
-
-
-def write_tinyworld_ptx(model_dir: Path, out: Path, examples: int = 4000) -> Path:
-    """The tiny world's own chat corpus (trainer/world/corpus.py `chat_example`, held-in
-    questions only: the held-out probes never appear) as a ptx file, once per world seed.
-    For the tool-call model (its tinyworld.json has `tools`) its build's mix instead: tool
-    episodes (with the tools offered) among the chats, in the build's share."""
-    from trainer.world.corpus import chat_example
-    from trainer.world.tools import TOOLS, tool_episode
-    from trainer.world.town import World
-
-    info = json.loads((model_dir / "tinyworld.json").read_text())
-    seed = int(info["config"]["seed"])
-    tool_share = float(info["tools"]["tool_share"]) if "tools" in info else 0.0
-    name = f"tinyworld{'-tools' if tool_share else ''}-ptx-seed{seed}-{examples}.jsonl"
-    path = out / name
-    if path.is_file():
-        return path
-    world, rng = World.build(seed), random.Random(f"ptx-{seed}")
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    with tmp.open("w", encoding="utf-8") as f:
-        for _ in range(examples):
-            row = ({"messages": tool_episode(world, rng), "tools": TOOLS}
-                   if rng.random() < tool_share else {"messages": chat_example(world, rng)})
-            f.write(json.dumps(row) + "\n")
-    tmp.replace(path)
-    return path

@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 
-from proxy.settings import EngineSettings
+from clawrl.base.settings import EngineSettings
 from trainer.export import verify_version
 
 log = logging.getLogger("clawrl.trainer")

@@ -35,8 +35,8 @@ from sqlalchemy import func, select, update
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import OperationalError
 
-from proxy.db import create_engine
-from proxy.settings import EngineSettings
+from clawrl.base.db import create_engine
+from clawrl.base.settings import EngineSettings
 from trainer.backends.base import Backend, BackendError, StepStats, make_backend
 from trainer.checkpoint import (
     drop_old_trainer_states,
@@ -48,7 +48,6 @@ from trainer.config import Settings, TrainerSettings, load_settings, model_recip
 from trainer.data import VERSIONS, Claim, claim_batch, record_step, replay_of
 from trainer.export import CheckpointError, version_dir
 from trainer.metrics import TrainerMetrics
-from trainer.ptx import write_tinyworld_ptx
 from trainer.publish import PublishError, engine_client, publish_version, serving_version
 
 log = logging.getLogger("clawrl.trainer")
@@ -161,7 +160,7 @@ def train(settings: Settings, *, max_steps: int | None = None, once: bool = Fals
           should_stop: StopFlag | None = None, backend: Backend | None = None) -> int:
     """The trainer loop (see the module docstring). Returns the number of ok steps."""
     cfg, stop = settings.trainer, should_stop or StopFlag()
-    from proxy.dbcli import resolve_url
+    from clawrl.base.dbcli import resolve_url
 
     db = create_engine(resolve_url(settings))
     base_dir, weights_dir = settings.model_dir(), settings.weights_dir()
@@ -267,7 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def resolve_settings(args: argparse.Namespace) -> Settings:
     """The environment's settings, the command line's flags over them, and under both the
-    model's own training settings (the tiny world's recipe) for whatever neither set.
+    model's own training settings (its recipe.json) for whatever neither set.
     Raises ValidationError when they conflict (personal mode on megatron)."""
     settings = load_settings()
     overrides = {k: v for k, v in (("backend", args.backend), ("model", args.model),
@@ -282,19 +281,17 @@ def resolve_settings(args: argparse.Namespace) -> Settings:
               if k not in explicit}
     if recipe:
         settings.trainer = TrainerSettings.model_validate(settings.trainer.model_dump() | recipe)
-        log.info("the tiny world model's training settings: %s (CLAWRL_TRAINER__* changes "
-                 "them)", ", ".join(f"{k} {v}" for k, v in recipe.items()))
-    cfg, model_dir = settings.trainer, settings.model_dir()
-    if cfg.ptx_coef > 0 and cfg.ptx_data is None and (model_dir / "tinyworld.json").is_file():
-        path = write_tinyworld_ptx(model_dir, settings.state_dir / "ptx")
-        settings.trainer = cfg.model_copy(update={"ptx_data": path})
-        log.info("pretraining-data term: %s, the tiny world's chat corpus", path)
+        log.info("the model's own training settings (its recipe.json): %s "
+                 "(CLAWRL_TRAINER__* changes them)",
+                 ", ".join(f"{k} {v}" for k, v in recipe.items()))
+    if settings.trainer.ptx_coef == 0 and "ptx_data" in recipe:  # the term is off
+        settings.trainer = settings.trainer.model_copy(update={"ptx_data": None})
     return settings
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    from proxy.logs import setup_logging
+    from clawrl.base.logs import setup_logging
 
     setup_logging(logging.INFO, "%(asctime)s %(levelname)s %(message)s")
     for noisy in ("httpx", "alembic"):
@@ -311,8 +308,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"clawrl train: no model at {settings.model_dir()} (build it with `clawrl "
               "tinyworld build` or pass --model DIR)", file=sys.stderr)
         return 1
-    from proxy.engine_check import TRAINER_NEEDS, check_at_start
-    from proxy.engine_client import EngineClient
+    from clawrl.base.engine_check import TRAINER_NEEDS, check_at_start
+    from clawrl.base.engine_client import EngineClient
 
     problem = check_at_start(EngineClient.from_settings(settings.engine), TRAINER_NEEDS)
     if problem:

@@ -30,8 +30,8 @@ import httpx
 from sqlalchemy import Table, func, select, update
 from sqlalchemy.engine import Engine
 
-from proxy.db import PolicyVersion, create_engine
-from proxy.settings import EngineSettings
+from clawrl.base.db import PolicyVersion, create_engine
+from clawrl.base.settings import EngineSettings
 from trainer.config import Settings, load_settings
 from trainer.export import CheckpointError, verify_version, version_dir
 from trainer.publish import PublishError, engine_client, publish_version, serving_version
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
 
     settings: Settings = load_settings()
-    from proxy.dbcli import resolve_admin_url
+    from clawrl.base.dbcli import resolve_admin_url
 
     db = create_engine(resolve_admin_url(settings))
     weights_dir = settings.weights_dir()

@@ -23,7 +23,7 @@ set -a
 source "$CLUSTER_ENV"
 set +a
 PYTHON=${PYTHON:-$ROOT/.venv/bin/python}
-CLAWRL=("$PYTHON" -m proxy.cli)
+CLAWRL=("$PYTHON" -m clawrl.cli.main)
 role=${1:?usage: launch-node.sh ROLE (see the header)}
 cd "$ROOT"
 
@@ -40,7 +40,7 @@ prepare)
     "$PYTHON" - "$CLAWRL_STATE_DIR" <<'PY'
 import sys
 from pathlib import Path
-from trainer.judgemodel.model import ADAPTER_DIR, ensure_judge_model
+from clawrl.judgemodel.model import ADAPTER_DIR, ensure_judge_model
 print(ensure_judge_model(Path(sys.argv[1]), ADAPTER_DIR))
 PY
     ;;

@@ -1,6 +1,6 @@
 """indexes for the console's turn filters
 
-The console (proxy/web/) lists turns newest first by id and filters them by weight version
+The console (proxy/console/) lists turns newest first by id and filters them by weight version
 and by time. Without these, a filter on an old version or an old time range walks the
 primary key back through every newer turn (seconds with a million turns):
 

@@ -16,8 +16,8 @@ import httpx
 import pytest
 from proxyharness import closed_port_url, serve
 
+from clawrl.base.settings import load_settings
 from proxy.app import create_app
-from proxy.settings import load_settings
 
 ADMIN_KEY = "ck-admin-console-test-key"
 

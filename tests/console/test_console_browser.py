@@ -22,9 +22,9 @@ from conftest import ADMIN_KEY, ConsoleFactory
 from consoleseed import db
 from proxyharness import create_user
 
+from clawrl.base.db import create_async
 from judge.config import load_judge_settings
 from judge.worker import Worker
-from proxy.db import create_async
 from trainer.export import write_version
 
 CHROMIUM = Path("/usr/bin/chromium")

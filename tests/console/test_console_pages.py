@@ -13,7 +13,7 @@ import pytest
 from conftest import Console, csrf_of
 from consoleseed import db, seed_judgment, seed_turn, seed_user
 
-from proxy.web import tally
+from proxy.console import tally
 
 
 @pytest.fixture(autouse=True)

@@ -1,7 +1,7 @@
 """Every console query is index-backed: with sequential scans priced out
 (`enable_seqscan = off`), no plan reads `turns` or `judgments` (the tables that grow) from end
 to end, and the version and time filters use their own indexes (migration 0005).
-The figures with a million turns come from `clawrl bench console` (proxy/web/bench.py)."""
+The figures with a million turns come from `clawrl bench console` (clawrl/bench/console.py)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
-from proxy.db import create_engine
-from proxy.web import queries, tally
-from proxy.web.bench import FILL
+from clawrl.base.db import create_engine
+from clawrl.bench.console import FILL
+from proxy.console import queries, tally
 
 GROWING = {"turns", "judgments"}
 

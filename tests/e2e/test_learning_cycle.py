@@ -22,10 +22,10 @@ from proxyharness import create_user, running_proxy
 from sqlalchemy import text
 from sqlalchemy.engine import Engine
 
+from clawrl.base.db import create_async, create_engine
+from clawrl.base.settings import EngineSettings
 from judge.config import load_judge_settings
 from judge.worker import Worker
-from proxy.db import create_async, create_engine
-from proxy.settings import EngineSettings
 from trainer.backends.torch import TorchBackend
 from trainer.checkpoint import save_checkpoint
 from trainer.config import Settings, TrainerSettings

@@ -11,15 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from proxy.bench import make_key
-from proxy.bench_procs import BenchProcs
+from clawrl.bench.procs import BenchProcs
+from clawrl.bench.proxy import make_key
 
 ADMIN_URL = os.environ.get("CLAWRL_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
 
 
 def clawrl(*args: str, env: dict[str, str] | None = None,
            timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "proxy.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "clawrl.cli.main", *args], capture_output=True,
                           text=True, timeout=timeout, env={**os.environ, **(env or {})})
 
 

@@ -1,5 +1,5 @@
-"""The env pool (trainer/envs/pool.py) against the real proxy (`clawrl proxy`, its own
-process) in front of the stand-in engine acting as an agent (proxy/bench_upstream.py
+"""The env pool (clawrl/envs/pool.py) against the real proxy (`clawrl proxy`, its own
+process) in front of the stand-in engine acting as an agent (clawrl/bench/fake_engine.py
 `tool_command`), and a real Postgres: sessions, tool results as next states, outcomes.
 
 The tests share one proxy, stand-in and database; each reads back only the sessions of its
@@ -14,11 +14,11 @@ from typing import Any
 import psycopg
 import pytest
 
-from proxy.bench import make_key
-from proxy.bench_procs import BenchProcs
-from proxy.db import libpq_url
-from trainer.envs.pool import PoolConfig, run_pool, step_seed
-from trainer.envs.terminal import NUDGE
+from clawrl.base.db import libpq_url
+from clawrl.bench.procs import BenchProcs
+from clawrl.bench.proxy import make_key
+from clawrl.envs.pool import PoolConfig, run_pool, step_seed
+from clawrl.envs.terminal import NUDGE
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The terminal track's sandbox (trainer/envs/sandbox.py) and tasks (trainer/envs/terminal.py):
+"""The terminal track's sandbox (clawrl/envs/sandbox.py) and tasks (clawrl/envs/terminal.py):
 real shells under real limits, no network, nothing left behind."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import time
 import psutil
 import pytest
 
-from trainer.envs.sandbox import Limits, Sandbox, network_isolated
-from trainer.envs.terminal import NUDGE, TASKS, TerminalEnv, draw_task
+from clawrl.envs.sandbox import Limits, Sandbox, network_isolated
+from clawrl.envs.terminal import NUDGE, TASKS, TerminalEnv, draw_task
 
 ROOT = os.geteuid() == 0
 

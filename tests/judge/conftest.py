@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 from sqlalchemy import Engine
 
-from proxy.db import create_engine
+from clawrl.base.db import create_engine
 
 
 @pytest.fixture

@@ -9,8 +9,8 @@ from typing import Any
 
 from sqlalchemy import Engine, insert, select, text
 
-from proxy.db import Job, Turn, User
-from proxy.jobs import enqueue_stmt, notify_stmt
+from clawrl.base.db import Job, Turn, User
+from clawrl.base.jobs import enqueue_stmt, notify_stmt
 from proxy.records import scrub_nul
 
 

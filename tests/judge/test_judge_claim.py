@@ -8,7 +8,7 @@ import time
 from judgedb import add_turn, add_user, jobs, rows
 from sqlalchemy import Engine, text
 
-from proxy.jobs import claim_stmt, claimed_job, complete_stmt, fail_stmt, retry_stmt
+from clawrl.base.jobs import claim_stmt, claimed_job, complete_stmt, fail_stmt, retry_stmt
 
 
 def claim(db: Engine, worker: str, limit: int = 1, lease_s: float = 60.0) -> list[int]:

@@ -18,7 +18,7 @@ from judge.worker import backoff_s
 
 
 def clawrl(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "proxy.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "clawrl.cli.main", *args], capture_output=True,
                           text=True, timeout=120, env={**os.environ, **(env or {})})
 
 
@@ -65,7 +65,7 @@ def test_rejudge_command_enqueues(db: Engine, db_url: str) -> None:
 def test_worker_process_stops_gracefully_on_sigterm(db_url: str) -> None:
     env = {**os.environ, "CLAWRL_DATABASE__URL": db_url,
            "CLAWRL_ENGINE__URL": "http://127.0.0.1:9"}
-    with subprocess.Popen([sys.executable, "-m", "proxy.cli", "judge", "--name", "w1"],
+    with subprocess.Popen([sys.executable, "-m", "clawrl.cli.main", "judge", "--name", "w1"],
                           stderr=subprocess.PIPE, text=True, env=env) as proc:
         try:
             assert proc.stderr is not None
@@ -88,7 +88,7 @@ def test_rejudge_without_a_database_refuses_and_creates_none(tmp_path: os.PathLi
     says where it looked in one line; no embedded database appears as a side effect."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("CLAWRL_")}
     env["CLAWRL_STATE_FILE"] = str(os.path.join(tmp_path, "no-stack.json"))
-    out = subprocess.run([sys.executable, "-m", "proxy.cli", "judge", "rejudge", "--since",
+    out = subprocess.run([sys.executable, "-m", "clawrl.cli.main", "judge", "rejudge", "--since",
                           "2026-01-01"], capture_output=True, text=True, timeout=120, env=env,
                          cwd=tmp_path)
     assert out.returncode == 1 and out.stderr.count("\n") == 1, out.stderr

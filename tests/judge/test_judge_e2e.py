@@ -16,10 +16,10 @@ from sqlalchemy import Engine
 from test_judge_engine import HINT, direct_logprobs
 from test_judge_worker import ScriptedJudge, settings_for
 
+from clawrl.base.db import create_async
 from judge.config import JudgeProcessSettings, load_judge_settings
 from judge.prompts import teacher_messages
 from judge.worker import Worker
-from proxy.db import create_async
 
 # The random test model rarely ends a reply by itself; common stop strings end it early so
 # the turn is not skipped as cut off by the length limit.

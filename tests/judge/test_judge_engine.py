@@ -16,12 +16,12 @@ from judgedb import add_turn, add_user, jobs, rows, wait_for
 from sqlalchemy import Engine
 from test_judge_worker import ScriptedJudge, settings_for
 
+from clawrl.base.db import create_async
+from clawrl.base.engine_client import EngineClient
 from judge.config import load_judge_settings
 from judge.prompts import teacher_messages
 from judge.teacher import TeacherEngine, compute_teacher_logprobs
 from judge.worker import Worker
-from proxy.db import create_async
-from proxy.engine_client import EngineClient
 
 REQUEST = [{"role": "system", "content": "Be short."},
            {"role": "user", "content": "What does Ada like?"}]

@@ -8,6 +8,7 @@ from collections.abc import Callable
 import httpx
 import pytest
 
+from clawrl.base.engine_client import EngineClient
 from judge.backends import ChatBackend
 from judge.errors import (
     BackendRejected,
@@ -18,7 +19,6 @@ from judge.errors import (
     PromptTooLong,
 )
 from judge.teacher import TeacherEngine
-from proxy.engine_client import EngineClient
 
 Fault = Callable[[httpx.Request], httpx.Response]
 

@@ -13,11 +13,11 @@ from judgedb import add_turn, add_user, jobs, rows, wait_for
 from sqlalchemy import Engine
 from test_judge_engine import served_turn
 
+from clawrl.base.db import create_async
 from judge.backends import ChatBackend, http_client
 from judge.config import load_judge_settings
 from judge.prompts import judge_messages
 from judge.worker import Worker
-from proxy.db import create_async
 
 
 async def run_worker(db: Engine, db_url: str, engine_url: str, judge_url: str,

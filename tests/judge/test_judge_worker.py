@@ -14,11 +14,11 @@ import pytest
 from judgedb import add_turn, add_user, jobs, rows, wait_for
 from sqlalchemy import Engine, insert, text
 
+from clawrl.base.db import Feedback, create_async
+from clawrl.base.jobs import claim_stmt
 from judge.config import JudgeProcessSettings, load_judge_settings
 from judge.rejudge import enqueue_rejudge, parse_time
 from judge.worker import Worker
-from proxy.db import Feedback, create_async
-from proxy.jobs import claim_stmt
 
 Handler = Callable[[httpx.Request], Awaitable[httpx.Response]]
 

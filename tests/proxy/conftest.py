@@ -15,8 +15,8 @@ import httpx
 import pytest
 from proxyharness import ProxyFactory, RunningProxy, serve
 
+from clawrl.base.settings import load_settings
 from proxy.app import create_app
-from proxy.settings import load_settings
 
 
 @pytest.fixture

@@ -14,14 +14,14 @@ from fastapi import FastAPI
 from pydantic import SecretStr
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from clawrl.base.db import create_async, libpq_url
+from clawrl.base.errors import Unauthorized
+from clawrl.base.settings import load_settings
+from clawrl.cli.main import main as clawrl
 from proxy import admin
 from proxy.auth import Authenticator
-from proxy.cli import main as clawrl
-from proxy.db import create_async, libpq_url
-from proxy.errors import Unauthorized
 from proxy.journal import Journal
 from proxy.records import TurnRecord
-from proxy.settings import load_settings
 from proxy.store import dead_letter_payload
 
 

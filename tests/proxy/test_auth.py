@@ -11,11 +11,11 @@ import pytest
 from sqlalchemy import event, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from clawrl.base.db import ApiKey, create_async
+from clawrl.base.errors import RateLimited, Unauthorized, Unavailable
+from clawrl.base.settings import ProxySettings
 from proxy import admin
 from proxy.auth import Authenticator, RateLimiter, hash_secret, lookup_principal
-from proxy.db import ApiKey, create_async
-from proxy.errors import RateLimited, Unauthorized, Unavailable
-from proxy.settings import ProxySettings
 
 ADMIN_URL = os.environ.get("CLAWRL_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
 

@@ -18,11 +18,11 @@ import pytest
 from proxyharness import ProxyFactory, TcpRelay, closed_port_url, create_user, libpq, query
 from sqlalchemy.engine import make_url
 
+from clawrl.base.db import create_async
+from clawrl.base.errors import Unauthorized, Unavailable
+from clawrl.base.settings import ProxySettings
 from proxy import auth
 from proxy.auth import Authenticator, generate_key
-from proxy.db import create_async
-from proxy.errors import Unauthorized, Unavailable
-from proxy.settings import ProxySettings
 
 MODELS = "/v1/models"  # authenticated, and answered without the engine (served_model_name)
 
@@ -169,7 +169,7 @@ def test_revoked_key_is_refused_by_two_proxy_processes_within_two_seconds(
     import subprocess
     import sys
 
-    from proxy.bench_procs import BenchProcs
+    from clawrl.bench.procs import BenchProcs
 
     _, key = create_user(db_url, "alice")
     headers = {"Authorization": f"Bearer {key}"}
@@ -179,7 +179,7 @@ def test_revoked_key_is_refused_by_two_proxy_processes_within_two_seconds(
         urls = [one.proxy_url, two.proxy_url]
         for url in urls:
             assert httpx.get(f"{url}{MODELS}", headers=headers, timeout=30).status_code == 200
-        done = subprocess.run([sys.executable, "-m", "proxy.cli", "keys", "revoke", key],
+        done = subprocess.run([sys.executable, "-m", "clawrl.cli.main", "keys", "revoke", key],
                               env={**os.environ, "CLAWRL_DATABASE__URL": db_url},
                               capture_output=True, text=True, timeout=60)
         assert done.returncode == 0, done.stderr

@@ -30,7 +30,7 @@ def test_bench_faults_short(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("CLAWRL_")}
     env["CLAWRL_DATABASE__URL"] = ADMIN_URL  # the bench makes (and drops) a scratch database
     done = subprocess.run(
-        [sys.executable, "-m", "proxy.cli", "bench", "faults", "--clients", "16",
+        [sys.executable, "-m", "clawrl.cli.main", "bench", "faults", "--clients", "16",
          "--run-s", "1.5", "--outage-s", "3", "--reply-s", "0.25", "--json", str(out),
          "--scenarios", "kill,sigterm,outage"],  # the stack ones: tests/proxy/test_faults.py
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from trainer.engine.server import CONTROL_ROUTES
+from clawrl.engine.server import CONTROL_ROUTES
 
 # One harmless request per control route (no route changes what is served for long).
 CONTROL = [("POST", "/flush_cache", None),

@@ -2,7 +2,7 @@
 
 The limits' arithmetic is checked on `KeyLimits` with a clock the test moves; what clients
 see, and that one key at its limit leaves another key's latency alone, is checked on the
-real proxy (its own process) in front of the stand-in engine (proxy/bench_upstream.py),
+real proxy (its own process) in front of the stand-in engine (clawrl/bench/fake_engine.py),
 which takes a fixed time per request and serves a fixed number at a time (an engine's
 slots), waiting requests in arrival order.
 """
@@ -19,11 +19,11 @@ from pathlib import Path
 import httpx
 import pytest
 
+from clawrl.base.db import create_async
+from clawrl.base.errors import RateLimited
+from clawrl.bench.client import Connection
+from clawrl.bench.procs import BenchProcs
 from proxy import admin
-from proxy.bench_client import Connection
-from proxy.bench_procs import BenchProcs
-from proxy.db import create_async
-from proxy.errors import RateLimited
 from proxy.limits import KeyLimits, estimate_tokens, used_tokens
 
 CHAT = "/v1/chat/completions"

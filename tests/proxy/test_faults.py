@@ -30,16 +30,16 @@ from proxyharness import (
     silent_server,
 )
 
-from proxy.bench import make_key
-from proxy.bench_faults import scenario_sigterm
-from proxy.bench_faults_stack import scenario_kill_stack, scenario_sigterm_up
-from proxy.bench_procs import BenchProcs
-from proxy.errors import (
+from clawrl.base.errors import (
     BadRequest,
     ClawrlError,
     UpstreamError,
     UpstreamTimeout,
 )
+from clawrl.bench.faults import scenario_sigterm
+from clawrl.bench.faults_stack import scenario_kill_stack, scenario_sigterm_up
+from clawrl.bench.procs import BenchProcs
+from clawrl.bench.proxy import make_key
 from proxy.upstream import error_for_status, translate
 
 MESSAGES = [{"role": "user", "content": "hi"}]

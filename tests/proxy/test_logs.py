@@ -1,4 +1,4 @@
-"""Logs a user reads are quiet: library request lines only at DEBUG (proxy/logs.py)."""
+"""Logs a user reads are quiet: library request lines only at DEBUG (clawrl/base/logs.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 CODE = """
 import http.server, logging, sys, threading
 import httpx
-from proxy.logs import setup_logging
+from clawrl.base.logs import setup_logging
 setup_logging(sys.argv[1])
 class H(http.server.BaseHTTPRequestHandler):
     def do_GET(self):

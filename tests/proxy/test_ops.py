@@ -39,7 +39,7 @@ async def test_readyz_busy_engine_is_ready_down_is_not(
 ])
 def test_cli_bad_input_is_one_line(args: list[str], env: dict[str, str],
                                    expected: str) -> None:
-    done = subprocess.run([sys.executable, "-m", "proxy.cli", "proxy", *args],
+    done = subprocess.run([sys.executable, "-m", "clawrl.cli.main", "proxy", *args],
                           capture_output=True, text=True, timeout=60, env={"PATH": "", **env})
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()

@@ -24,9 +24,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from proxyharness import create_user, query
 
+from clawrl.base.settings import load_settings
 from proxy.app import create_app
-from proxy.routes import openapi_document
-from proxy.settings import load_settings
+from proxy.endpoints import openapi_document
 
 schemathesis = pytest.importorskip("schemathesis")
 

@@ -11,7 +11,7 @@ import httpx
 import pytest
 from proxyharness import ProxyFactory, create_user, query
 
-from proxy.cli import main as clawrl
+from clawrl.cli.main import main as clawrl
 
 ASK: list[Any] = [{"role": "user", "content": "Who keeps the bakery?"}]
 

@@ -17,7 +17,7 @@ import pytest
 from proxyharness import create_user, query
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from proxy.db import create_async
+from clawrl.base.db import create_async
 from proxy.records import TurnRecord
 from proxy.sessions import (
     close_stale_turns,

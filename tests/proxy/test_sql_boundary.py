@@ -20,9 +20,9 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from proxy import dbcli
-from proxy.cli import main as clawrl
-from proxy.db import libpq_url
+from clawrl.base import dbcli
+from clawrl.base.db import libpq_url
+from clawrl.cli.main import main as clawrl
 
 ROOT = Path(__file__).resolve().parents[2]
 MARKER = Path(tempfile.gettempdir()) / f"clawrl-sql-attack-{uuid.uuid4().hex}"
@@ -149,7 +149,7 @@ def test_the_entry_point_refuses_in_one_line(cli_db: str) -> None:
     """The installed command, as a shell runs it."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("CLAWRL_")}
     env["CLAWRL_DATABASE__URL"] = cli_db
-    done = subprocess.run([sys.executable, "-m", "proxy.cli", "sql", "SET ROLE postgres"],
+    done = subprocess.run([sys.executable, "-m", "clawrl.cli.main", "sql", "SET ROLE postgres"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 1 and done.stdout == ""
     assert done.stderr.strip() == 'clawrl sql: permission denied to set role "postgres"'

@@ -16,8 +16,8 @@ import pytest
 from childproc import ChildServer
 from proxyharness import ProxyFactory, RunningProxy, serve
 
+from clawrl.base.settings import load_settings
 from proxy.app import create_app
-from proxy.settings import load_settings
 
 APP = Path(__file__).with_name("sglang_app.py")
 

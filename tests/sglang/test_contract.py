@@ -16,10 +16,10 @@ import httpx
 import pytest
 from proxyharness import ProxyFactory, create_user, query
 
+from clawrl.base.engine_check import JUDGE_NEEDS, PROXY_NEEDS, TRAINER_NEEDS, check_engine
+from clawrl.base.engine_client import EngineClient
+from clawrl.base.settings import EngineSettings
 from judge.teacher import TeacherEngine
-from proxy.engine_check import JUDGE_NEEDS, PROXY_NEEDS, TRAINER_NEEDS, check_engine
-from proxy.engine_client import EngineClient
-from proxy.settings import EngineSettings
 from proxy.upstream import engine_body
 from trainer.publish import publish_version
 

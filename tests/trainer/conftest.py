@@ -10,7 +10,7 @@ import pytest
 from sqlalchemy import insert, select
 from sqlalchemy.engine import Engine
 
-from proxy.db import Judgment, Sample, Turn, User, create_engine
+from clawrl.base.db import Judgment, Sample, Turn, User, create_engine
 
 SampleFactory = Callable[..., int]
 

@@ -11,13 +11,13 @@ import pytest
 from sqlalchemy import insert
 from sqlalchemy.engine import Engine
 
-from proxy.db import PolicyVersion
+from clawrl.base.db import PolicyVersion
 
 
 def clawrl(*args: str, db_url: str, state: Path) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "CLAWRL_DATABASE__URL": db_url, "CLAWRL_STATE_DIR": str(state),
            "CLAWRL_ENGINE__URL": "http://127.0.0.1:9", "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "proxy.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "clawrl.cli.main", *args], capture_output=True,
                           text=True, env=env, timeout=300)
 
 
@@ -66,14 +66,16 @@ def test_versions_commands_refuse_bad_requests(db_url: str, db: Engine, tmp_path
     assert "bad (" in lines[1] and "engine unreachable" in lines[-1]
 
 
-PREBUILT_CI = Path(__file__).resolve().parents[2] / "trainer" / "world" / "prebuilt" / "tinyworld-ci"
+PREBUILT_CI = Path(__file__).resolve().parents[2] / "clawrl" / "world" / "prebuilt" / "tinyworld-ci"
 
 
 def test_the_tiny_world_trains_with_its_recipe_unless_told_otherwise(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`clawrl up`'s trainer on the tiny world model uses what `clawrl eval` measured it
-    learning with; the environment and flags win; any other model keeps the defaults."""
-    from trainer.config import TINYWORLD_RECIPE, TrainerSettings
+    learning with (its recipe.json); the environment and flags win; any other model keeps
+    the defaults."""
+    from clawrl.world.recipe import TINYWORLD_RECIPE
+    from trainer.config import TrainerSettings
     from trainer.train import build_parser, resolve_settings
 
     for name in [k for k in os.environ if k.startswith("CLAWRL_TRAINER__")]:
@@ -86,7 +88,7 @@ def test_the_tiny_world_trains_with_its_recipe_unless_told_otherwise(
     assert TINYWORLD_RECIPE["lr"] != TrainerSettings().lr  # the recipe is not the default
     # The world's own corpus keeps its facts while it learns (trainer/ptx.py).
     assert got.ptx_coef == TINYWORLD_RECIPE["ptx_coef"] > TrainerSettings().ptx_coef == 0
-    assert got.ptx_data is not None and got.ptx_data.is_relative_to(tmp_path)
+    assert got.ptx_data == PREBUILT_CI / "ptx.jsonl"
 
     monkeypatch.setenv("CLAWRL_TRAINER__LR", "3e-5")
     got = resolve_settings(tiny).trainer
@@ -109,7 +111,7 @@ def test_personal_adapters_train_with_their_own_recipe_unless_told_otherwise(
     default, whether personal mode comes from the flag or the environment: the batch-mean
     baseline, and on the tiny world a KL of 0.2 instead of the corpus term. The shared model
     keeps the raw reward and its own recipe; an explicit setting wins."""
-    from trainer.config import PERSONAL_RECIPE, TINYWORLD_RECIPE
+    from clawrl.world.recipe import PERSONAL_RECIPE, TINYWORLD_RECIPE
     from trainer.train import build_parser, resolve_settings
 
     for name in [k for k in os.environ if k.startswith("CLAWRL_TRAINER__")]:
@@ -135,8 +137,9 @@ def test_personal_adapters_train_with_their_own_recipe_unless_told_otherwise(
 
 def test_the_tiny_world_learns_its_own_corpus_as_ptx_data_unless_given_a_file(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """ptx_coef > 0 on the tiny world with no ptx_data: the world's chat corpus, written
-    under the state dir; a file given is kept; off (0), nothing is written."""
+    """ptx_coef > 0 on the tiny world with no ptx_data: the world's chat corpus its build
+    wrote beside the weights (named by its recipe.json); a file given is kept; off (0),
+    none."""
     from trainer.train import build_parser, resolve_settings
 
     for name in [k for k in os.environ if k.startswith("CLAWRL_TRAINER__")]:
@@ -145,15 +148,15 @@ def test_the_tiny_world_learns_its_own_corpus_as_ptx_data_unless_given_a_file(
     monkeypatch.setenv("CLAWRL_TRAINER__PTX_COEF", "0")
     tiny = build_parser().parse_args(["--model", str(PREBUILT_CI)])
     assert resolve_settings(tiny).trainer.ptx_data is None
-    assert not (tmp_path / "ptx").exists()
     monkeypatch.setenv("CLAWRL_TRAINER__PTX_COEF", "0.5")
     got = resolve_settings(tiny).trainer.ptx_data
-    assert got is not None and got.parent == tmp_path / "ptx"
+    assert got == PREBUILT_CI / "ptx.jsonl"
     assert len(got.read_text().splitlines()) == 4000
     monkeypatch.setenv("CLAWRL_TRAINER__PTX_DATA", str(tmp_path / "mine.jsonl"))
     assert resolve_settings(tiny).trainer.ptx_data == tmp_path / "mine.jsonl"
     # The tool-call model's recipe has no corpus term (its corpus is what agents unlearn).
-    from trainer.config import TOOLS_RECIPE, model_recipe
+    from clawrl.world.recipe import TOOLS_RECIPE
+    from trainer.config import model_recipe
 
     assert "ptx_coef" in model_recipe(PREBUILT_CI)
     assert "ptx_coef" not in model_recipe(PREBUILT_CI.parent / "tinyworld-tools")
@@ -166,3 +169,4 @@ def test_the_tiny_world_learns_its_own_corpus_as_ptx_data_unless_given_a_file(
     agent = resolve_settings(build_parser().parse_args(
         ["--model", str(PREBUILT_CI.parent / "tinyworld-tools")])).trainer
     assert (agent.lr, agent.reward_baseline, agent.ptx_coef) == (TOOLS_RECIPE["lr"], "batch_mean", 0.5)
+    assert agent.ptx_data == PREBUILT_CI.parent / "tinyworld-tools" / "ptx.jsonl"

@@ -17,7 +17,7 @@ import pytest
 from sqlalchemy import select, text
 from sqlalchemy.engine import Engine
 
-from proxy.db import PolicyVersion, Sample, TrainingStep
+from clawrl.base.db import PolicyVersion, Sample, TrainingStep
 from trainer.export import list_version_dirs, verify_version
 
 SampleFactory = Callable[..., int]

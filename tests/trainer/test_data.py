@@ -9,7 +9,7 @@ from typing import Any
 from sqlalchemy import insert, select
 from sqlalchemy.engine import Engine
 
-from proxy.db import PolicyVersion, Sample, TrainingStep, User
+from clawrl.base.db import PolicyVersion, Sample, TrainingStep, User
 from trainer.config import TrainerSettings
 from trainer.data import (
     ModelLimits,

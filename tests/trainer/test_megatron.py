@@ -17,7 +17,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from proxy.engine_client import EngineClient  # noqa: E402
+from clawrl.base.engine_client import EngineClient  # noqa: E402
 from trainer.backends import megatron_compat as compat  # noqa: E402
 from trainer.backends.megatron import MegatronBackend  # noqa: E402
 from trainer.backends.megatron_checkpoint import (  # noqa: E402

@@ -24,7 +24,7 @@ pytest.importorskip("megatron.core")
 
 from childproc import free_port  # noqa: E402
 
-from proxy.db import PolicyVersion, TrainingStep  # noqa: E402
+from clawrl.base.db import PolicyVersion, TrainingStep  # noqa: E402
 from trainer.backends.megatron import MegatronBackend  # noqa: E402
 from trainer.config import Settings, TrainerSettings  # noqa: E402
 from trainer.train import train  # noqa: E402

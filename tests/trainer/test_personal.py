@@ -17,9 +17,9 @@ from sqlalchemy import insert, text
 from sqlalchemy.engine import Engine
 from test_train_loop import PROMPT, rollout, settings_for
 
+from clawrl.base.db import User, create_async
+from clawrl.base.settings import EngineSettings
 from proxy.admin import delete_user
-from proxy.db import User, create_async
-from proxy.settings import EngineSettings
 from trainer.personal import adapter_name, ensure_adapters, train_personal
 
 SampleFactory = Callable[..., int]

@@ -10,6 +10,7 @@ import torch
 from pydantic import ValidationError
 from transformers import AutoTokenizer
 
+from clawrl.world.recipe import write_tinyworld_ptx
 from trainer.backends.base import BackendError
 from trainer.backends.torch import TorchBackend
 from trainer.config import TrainerSettings
@@ -21,7 +22,6 @@ from trainer.ptx import (
     encode_line,
     load_examples,
     pad_examples,
-    write_tinyworld_ptx,
 )
 
 CHAT = [{"role": "system", "content": "Be brief."},
@@ -132,13 +132,9 @@ def test_it_needs_data_and_the_torch_backend(tiny_model_dir: Path, tmp_path: Pat
 
 
 def test_the_tiny_world_corpus_holds_no_held_out_question(tmp_path: Path) -> None:
-    from trainer.world.town import World
+    from clawrl.world.town import World
 
-    model = tmp_path / "m"
-    model.mkdir()
-    (model / "tinyworld.json").write_text(json.dumps({"config": {"seed": 0}}))
-    path = write_tinyworld_ptx(model, tmp_path / "ptx", examples=300)
-    assert write_tinyworld_ptx(model, tmp_path / "ptx", examples=300) == path  # written once
+    path = write_tinyworld_ptx(tmp_path / "ptx.jsonl", 0, examples=300)
     users = [m["content"] for line in path.read_text().splitlines()
              for m in json.loads(line)["messages"] if m["role"] == "user"]
     assert len(users) >= 300
@@ -148,7 +144,7 @@ def test_the_tiny_world_corpus_holds_no_held_out_question(tmp_path: Path) -> Non
 
 def test_tool_calls_in_openai_form_are_trained_and_tool_results_are_not(
         tiny_model_dir: Path, tmp_path: Path) -> None:
-    from trainer.world.tools import TOOLS
+    from clawrl.world.tools import TOOLS
 
     tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
     call = {"id": "c0", "type": "function",
@@ -168,12 +164,8 @@ def test_tool_calls_in_openai_form_are_trained_and_tool_results_are_not(
     with pytest.raises(PtxDataError, match='"tools" must be a list'):
         encode_line(tok, {"messages": chat, "tools": "lookup"})
 
-    model = tmp_path / "m"
-    model.mkdir()
-    (model / "tinyworld.json").write_text(json.dumps(
-        {"config": {"seed": 0}, "tools": {"tool_share": 0.5}}))
-    rows = [json.loads(line) for line in
-            write_tinyworld_ptx(model, tmp_path / "ptx", examples=200).read_text().splitlines()]
+    rows = [json.loads(line) for line in write_tinyworld_ptx(
+        tmp_path / "ptx.jsonl", 0, examples=200, tool_share=0.5).read_text().splitlines()]
     with_tools = [r for r in rows if "tools" in r]
     assert 60 < len(with_tools) < 140 and all(
         any(m.get("tool_calls") for m in r["messages"]) for r in with_tools)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from proxy.settings import EngineSettings
+from clawrl.base.settings import EngineSettings
 from trainer.export import CheckpointError, write_version
 from trainer.publish import PublishError, publish_version
 

@@ -39,7 +39,7 @@ from childproc import free_port
 from sqlalchemy import select
 from sqlalchemy.engine import Engine
 
-from proxy.db import PolicyVersion, TrainingStep
+from clawrl.base.db import PolicyVersion, TrainingStep
 
 REPO = Path(__file__).resolve().parents[2]
 CACHE = REPO / ".clawrl" / "test-cache" / "smollm2-135m"
@@ -57,7 +57,7 @@ SampleFactory = Callable[..., int]
 
 
 def clawrl(*args: str, timeout: float = 600, **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "proxy.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "clawrl.cli.main", *args], capture_output=True,
                           text=True, timeout=timeout, cwd=REPO, env={**os.environ, **env},
                           stdin=subprocess.DEVNULL)
 
@@ -110,8 +110,8 @@ def stream_chat(url: str, messages: list[dict[str, Any]], **kw: Any) -> list[dic
 
 def test_engine_serves_its_template_with_sense_ids_and_tools(
         smollm2_dir: Path, tokenizer: Any, engine_factory: Callable[..., str]) -> None:
-    from proxy.engine_check import JUDGE_NEEDS, PROXY_NEEDS, TRAINER_NEEDS, check_engine
-    from proxy.engine_client import EngineClient
+    from clawrl.base.engine_check import JUDGE_NEEDS, PROXY_NEEDS, TRAINER_NEEDS, check_engine
+    from clawrl.base.engine_client import EngineClient
 
     url = engine_factory(smollm2_dir)
     body = chat(url, FRANCE, temperature=0, max_tokens=20)
@@ -179,7 +179,7 @@ def test_up_serves_it_by_name(smollm2_dir: Path, db_url: str) -> None:
     env.update(CLAWRL_DATABASE__URL=db_url, CLAWRL_STATE_FILE=str(state / "stack.json"),
                OMP_NUM_THREADS="1")
     up = subprocess.Popen(
-        [sys.executable, "-m", "proxy.cli", "up", "--state-dir", str(state), "--model",
+        [sys.executable, "-m", "clawrl.cli.main", "up", "--state-dir", str(state), "--model",
          "smollm2-135m", "--proxy-port", str(port), "--engine-port", str(free_port()),
          "--no-train", "--no-judge"], cwd=REPO, env=env, stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -240,8 +240,8 @@ def judged_samples(url: str) -> list[dict[str, Any]]:
     """Two turns as the proxy stores them (the engine's prompt ids, response ids, logprobs
     and weight version), judged: +1 with teacher logprobs computed by the judge's own code
     (judge/teacher.py, hint in the last user message, scored on the live engine), and −1."""
+    from clawrl.base.engine_client import EngineClient
     from judge.teacher import TeacherEngine, compute_teacher_logprobs
-    from proxy.engine_client import EngineClient
 
     turns = [(FRANCE, 1, "Answer with the city's name only."),
              ([{"role": "user", "content": "Name a colour."}], -1, None)]
@@ -320,7 +320,7 @@ async def stream_until_done(client: httpx.AsyncClient, i: int,
 def test_full_step_exports_and_hot_swaps_with_streams_in_flight(
         tmp_path: Path, db_url: str, db: Engine, add_sample: SampleFactory,
         smollm2_dir: Path, engine_factory: Callable[..., str]) -> None:
-    from proxy.settings import EngineSettings
+    from clawrl.base.settings import EngineSettings
     from trainer.export import verify_version
     from trainer.publish import publish_version
     from trainer.train import train

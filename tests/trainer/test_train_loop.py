@@ -17,7 +17,7 @@ import torch
 from sqlalchemy import select
 from sqlalchemy.engine import Engine
 
-from proxy.db import PolicyVersion, TrainingStep
+from clawrl.base.db import PolicyVersion, TrainingStep
 from trainer.backends.torch import TorchBackend
 from trainer.config import Settings, TrainerSettings
 from trainer.train import train

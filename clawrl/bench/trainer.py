@@ -1,0 +1,325 @@
+"""`clawrl bench trainer`: trainer throughput, swap pause, publish latency, peak RSS.
+
+    clawrl bench trainer [--model DIR] [--rounds 5] [--batch 16] [--seq 256] [--no-big]
+
+1. Throughput: one `TorchBackend.train_step` against a plain hand-written loop (forward,
+   logprob gather, clipped-ratio policy loss, backward, grad clip, AdamW) on a second copy of
+   the same model, same batch, same micro batching, interleaved round by round (alternating
+   which goes first); median tokens/s of each and the median of the per-round ratios
+   (target ≥ 0.9). KL and entropy are off so both do the same arithmetic.
+2. Hot swap, for the model given (the tiny one) and a ~50M-parameter model built here with
+   random weights: a real `clawrl engine` serves it while a probe client sends 1-token
+   /generate requests back to back; the trainer exports v{N} and publishes it. Reported:
+   export time, update call time, end-to-end publish latency (export + update + read-back)
+   and the swap pause = the longest probe stall during the update minus the median probe.
+3. Peak RSS of this (trainer) process during each phase, sampled every 20 ms.
+
+Figures are medians over rounds, measured side by side in one run (DESIGN §8).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import NamedTuple
+
+import httpx
+import psutil
+import torch
+
+from clawrl.base.settings import EngineSettings
+from clawrl.cli.ports import free_port
+from trainer.backends.torch import TorchBackend
+from trainer.checkpoint import save_checkpoint
+from trainer.config import TrainerSettings
+from trainer.data import Batch, SampleRow, collate
+from trainer.export import copy_tokenizer_files
+from trainer.publish import publish_version
+
+
+@contextmanager
+def peak_rss() -> Iterator[dict[str, float]]:
+    """Sample this process's RSS in a thread; yields a dict filled with 'peak_mb' on exit."""
+    proc, out, stop = psutil.Process(), {"peak_mb": 0.0}, threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            out["peak_mb"] = max(out["peak_mb"], proc.memory_info().rss / 2**20)
+            stop.wait(0.02)
+
+    t = threading.Thread(target=sample, daemon=True)
+    t.start()
+    try:
+        yield out
+    finally:
+        stop.set()
+        t.join()
+
+
+def synthetic_batch(backend: TorchBackend, n: int, seq: int, seed: int = 0) -> Batch:
+    """n samples of `seq` tokens (a quarter prompt), rewards ±1, on-policy rollout logprobs."""
+    gen = torch.Generator().manual_seed(seed)
+    prompt = max(1, seq // 4)
+    rows = []
+    for i in range(n):
+        ids = torch.randint(3, backend.limits.vocab_size, (seq,), generator=gen).tolist()
+        rows.append(SampleRow(i, ids[:prompt], ids[prompt:], [0.0] * (seq - prompt), None,
+                              1 if i % 2 else -1, 0))
+    batch = collate(rows, 0)
+    batch.rollout_logp = backend.compute_logprobs(batch) * batch.loss_mask
+    return batch
+
+
+class ReferenceLoop:
+    """The plainest correct implementation of the same update, for comparison."""
+
+    def __init__(self, model_dir: Path, cfg: TrainerSettings) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.cfg = cfg
+        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=cfg.betas,
+                                     weight_decay=cfg.weight_decay)
+
+    def step(self, batch: Batch) -> None:
+        self.model.train()
+        n = batch.loss_mask.sum()
+        for lo in range(0, batch.size, self.cfg.micro_batch_size):
+            s = slice(lo, lo + self.cfg.micro_batch_size)
+            ids, mask = batch.input_ids[s], batch.loss_mask[s]
+            logits = self.model(input_ids=ids, attention_mask=batch.attention_mask[s]).logits
+            logp = torch.log_softmax(logits[:, :-1].float(), -1).gather(
+                -1, ids[:, 1:, None]).squeeze(-1)
+            ratio = torch.exp(logp - batch.rollout_logp[s])
+            adv = batch.reward[s, None]
+            clipped = ratio.clamp(1 - self.cfg.eps_low, 1 + self.cfg.eps_high)
+            loss = -(torch.minimum(ratio * adv, clipped * adv) * mask).sum() / n
+            loss.backward()  # type: ignore[no-untyped-call]
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+
+def bench_throughput(model_dir: Path, rounds: int, batch_size: int, seq: int,
+                     micro: int) -> dict[str, float]:
+    cfg = TrainerSettings(batch_size=batch_size, micro_batch_size=micro, kl_coef=0.0,
+                          entropy_coef=0.0, lr=1e-5, device="cpu")
+    backend = TorchBackend(cfg)
+    backend.load(model_dir)
+    reference = ReferenceLoop(model_dir, cfg)
+    batch = synthetic_batch(backend, batch_size, seq)
+    tokens = batch.num_tokens
+    ours: list[float] = []
+    plain: list[float] = []
+    backend.train_step(batch)  # warm-up both
+    reference.step(batch)
+    for i in range(rounds):
+        # Alternate who goes first so a drifting machine load favours neither side.
+        for fn, out in ((backend.train_step, ours), (reference.step, plain))[:: 1 - 2 * (i % 2)]:
+            t0 = time.perf_counter()
+            fn(batch)
+            out.append(tokens / (time.perf_counter() - t0))
+    mo, mp = statistics.median(ours), statistics.median(plain)
+    # Paired per-round ratios: the two runs of a round saw about the same machine load.
+    ratio = statistics.median(o / p for o, p in zip(ours, plain, strict=True))
+    return {"trainer_tok_s": mo, "reference_tok_s": mp, "ratio": ratio,
+            "tokens_per_step": tokens}
+
+
+def build_random_model(out_dir: Path, tokenizer_dir: Path, *, hidden: int = 512,
+                       layers: int = 13, ffn: int = 2048, seed: int = 0) -> int:
+    """A Qwen2-style model with random weights (~50M parameters by default), the tokenizer
+    of `tokenizer_dir`. Returns the parameter count."""
+    import json
+
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    base = json.loads((tokenizer_dir / "config.json").read_text())
+    conf = Qwen2Config(
+        vocab_size=base["vocab_size"], hidden_size=hidden, intermediate_size=ffn,
+        num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=4,
+        max_position_embeddings=base.get("max_position_embeddings", 2048),
+        tie_word_embeddings=True, bos_token_id=base.get("bos_token_id"),
+        eos_token_id=base.get("eos_token_id"), pad_token_id=base.get("pad_token_id"))
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(conf)  # type: ignore[no-untyped-call]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out_dir))
+    copy_tokenizer_files(tokenizer_dir, out_dir)
+    return sum(p.numel() for p in model.parameters())
+
+
+class EngineStartError(RuntimeError):
+    """The engine exited or never became healthy; the message is one line."""
+
+
+class RunningEngine(NamedTuple):
+    url: str
+    pid: int
+
+
+def _last_line(log: Path) -> str:
+    """The engine's own one-line answer (`clawrl engine: ...`), else its last log line."""
+    lines = [line.strip() for line in log.read_text(errors="replace").splitlines()
+             if line.strip()]
+    own = [line for line in lines if line.startswith("clawrl engine: ")]
+    return (own or lines or ["(no output)"])[-1]
+
+
+@contextmanager
+def engine_process(model_dir: Path, threads: int, log: Path,
+                   *extra: str) -> Iterator[RunningEngine]:
+    """A `clawrl engine` child on a free port (`extra`: more engine flags), healthy; stopped
+    on exit. Raises EngineStartError with the engine's last log line."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with log.open("wb") as fh:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "clawrl.engine", "--model", str(model_dir), "--port",
+             str(port), "--threads", str(threads), *extra], stdout=fh, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            if proc.poll() is not None:
+                raise EngineStartError(f"the engine exited (code {proc.returncode}): "
+                                       f"{_last_line(log)}")
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise EngineStartError(f"the engine was not healthy after 300 s: "
+                                       f"{_last_line(log)}")
+            time.sleep(0.2)
+        yield RunningEngine(url, proc.pid)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+class Prober:
+    """Sends 1-token /generate requests back to back; records (start, end) of each."""
+
+    def __init__(self, url: str) -> None:
+        self.url, self.spans, self._stop = url, [], threading.Event()  # type: ignore[var-annotated]
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=300) as client:
+            while not self._stop.is_set():
+                t0 = time.perf_counter()
+                client.post(self.url + "/generate", json={
+                    "input_ids": [1, 5, 6, 7], "sampling_params": {"max_new_tokens": 1}})
+                self.spans.append((t0, time.perf_counter()))
+
+    def __enter__(self) -> Prober:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def pause(self, start: float, end: float) -> float:
+        """The longest probe overlapping [start, end] minus the median of the others: how
+        long the engine held base-model requests back then. 0 when none overlapped."""
+        outside = [e - s for s, e in self.spans if e < start or s > end]
+        during = [e - s for s, e in self.spans if e >= start and s <= end]
+        base = statistics.median(outside) if outside else 0.0
+        return max(0.0, max(during, default=base) - base)
+
+
+def bench_swap(model_dir: Path, work: Path, rounds: int, threads: int) -> dict[str, float]:
+    cfg = TrainerSettings(batch_size=2, micro_batch_size=2, kl_coef=0.0, device="cpu")
+    backend = TorchBackend(cfg)
+    backend.load(model_dir)
+    batch = synthetic_batch(backend, 2, 32)
+    weights = work / "weights"
+    work.mkdir(parents=True, exist_ok=True)
+    export_s, update_s, e2e_s, pause_s = [], [], [], []
+    with engine_process(model_dir, threads, work / "engine.log") as (url, _):
+        engine = EngineSettings(url=url)
+        for n in range(1, rounds + 1):
+            backend.train_step(batch)
+            with Prober(url) as probe:
+                time.sleep(0.5)  # baseline probes
+                t0 = time.perf_counter()
+                path = save_checkpoint(backend, weights, n, model_dir)
+                t1 = time.perf_counter()
+                publish_version(engine, path, n)
+                t2 = time.perf_counter()
+                time.sleep(0.3)
+            export_s.append(t1 - t0)
+            update_s.append(t2 - t1)
+            e2e_s.append(t2 - t0)
+            pause_s.append(probe.pause(t1, t2))
+    return {"export_ms": 1e3 * statistics.median(export_s),
+            "update_ms": 1e3 * statistics.median(update_s),
+            "publish_e2e_ms": 1e3 * statistics.median(e2e_s),
+            "swap_pause_ms": 1e3 * statistics.median(pause_s),
+            "swap_pause_max_ms": 1e3 * max(pause_s)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="clawrl bench trainer", description=__doc__.split("\n")[0])
+    p.add_argument("--model", type=Path, help="model dir (default: a fresh tiny test model)")
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--micro", type=int, default=4)
+    p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2))
+    p.add_argument("--no-big", action="store_true", help="skip the ~50M-parameter model")
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    torch.set_num_threads(args.threads)
+    work = Path(tempfile.mkdtemp(prefix="clawrl-bench-trainer-"))
+    try:
+        model = args.model
+        if model is None:
+            from clawrl.world.model import init_model_dir
+
+            model = init_model_dir(work / "tiny", seed=0, size="test")
+        print(f"model {model}  threads {args.threads}  batch {args.batch}x{args.seq} "
+              f"micro {args.micro}  rounds {args.rounds}")
+        with peak_rss() as rss:
+            t = bench_throughput(model, args.rounds, args.batch, args.seq, args.micro)
+        print(f"throughput: trainer {t['trainer_tok_s']:,.0f} tok/s  reference "
+              f"{t['reference_tok_s']:,.0f} tok/s  ratio {t['ratio']:.3f} (target >= 0.9)  "
+              f"peak RSS {rss['peak_mb']:.0f} MB")
+        models = [("tiny", model)]
+        if not args.no_big:
+            big = work / "big"
+            n = build_random_model(big, model)
+            models.append((f"{n / 1e6:.0f}M", big))
+        for name, path in models:
+            with peak_rss() as rss:
+                s = bench_swap(path, work / f"swap-{name}", max(2, args.rounds // 2),
+                               args.threads)
+            print(f"swap [{name}]: export {s['export_ms']:.0f} ms  update {s['update_ms']:.0f}"
+                  f" ms  publish end-to-end {s['publish_e2e_ms']:.0f} ms  swap pause "
+                  f"{s['swap_pause_ms']:.0f} ms (max {s['swap_pause_max_ms']:.0f})  "
+                  f"trainer peak RSS {rss['peak_mb']:.0f} MB")
+        if math.isnan(t["ratio"]):
+            return 1
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,485 @@
+"""The embedded engine's batching scheduler: one thread that owns the model and its KV cache.
+
+Requests (`Sequence`) arrive in an inbox. Each loop iteration the thread
+1. admits waiting sequences (up to `max_batch` running): a batch-1 prefill over the prompt,
+   which also yields the prompt-token logprobs and the first sampled token, then merges the
+   sequence's KV cache into the running batch;
+2. runs one decode step for every running sequence at once (continuous batching).
+
+Batch layout. The running KV cache is per layer `[B, kv_heads, T, head_dim]` with *left*
+padding: row b holds its `n_cached` real positions right-aligned, the rest are zeros masked
+out by `mask[b]` (`[B, T]`, 1 = real). Position ids are per row (`n_cached`), so RoPE sees the
+same positions as an unpadded forward and logits match a batch-1 forward to float rounding.
+Prefill is always batch 1 (no padded queries, so no fully-masked attention rows).
+
+Logprobs are the model's raw log-softmax (temperature 1, before top-p/top-k) of the sampled
+token: the trainer's first-step importance ratio is then exactly 1.
+
+LoRA: each sequence may carry an `Adapter` (clawrl/engine/lora.py); before every forward the
+thread writes the adapter of each batch row into `lora.rows`, and the hooks on the target
+modules add that row's low-rank update, so base rows and rows of different adapters share one
+forward. Hooks are added only on this thread, between steps (`call`).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+from collections import Counter, deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers.cache_utils import DynamicCache
+
+from clawrl.engine.lora import Adapter, LoRAContext
+from clawrl.engine.ngram import NgramDraft
+
+log = logging.getLogger("clawrl.engine")
+
+Finish = dict[str, Any]  # SGLang finish_reason: {"type": "stop"|"length"|"abort", ...}
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_new_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    seed: int | None = None
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One generation request and its results, appended by the scheduler thread.
+
+    The async side reads the lists while they grow (appends are atomic under the GIL) and
+    treats `finish` as the last write: once it is set, nothing else changes.
+    """
+
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    notify: Callable[[], None] = lambda: None
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top: list[list[tuple[float, int]]] = field(default_factory=list)
+    input_logprobs: list[float | None] = field(default_factory=list)
+    input_top: list[list[tuple[float, int]] | None] = field(default_factory=list)
+    weight_spans: list[dict[str, Any]] = field(default_factory=list)
+    finish: Finish | None = None
+    # LoRA: the adapter name the request asked for, and the adapter it holds while it runs.
+    lora_name: str | None = None
+    adapter: Adapter | None = None
+    # scheduler-private state
+    aborted: str | None = None
+    n_cached: int = 0
+    generator: torch.Generator | None = None
+
+
+class Scheduler:
+    """Owns the model; runs prefill and batched decode on its own thread."""
+
+    def __init__(self, model: Any, *, eos_ids: set[int], decode: Callable[[list[int]], str],
+                 weight_version: str, max_batch: int = 32,
+                 drafts: NgramDraft | None = None) -> None:
+        self.model = model
+        self.eos_ids = eos_ids
+        self.decode = decode  # token ids -> text (special tokens skipped), for stop strings
+        self.weight_version = weight_version
+        self.max_batch = max_batch
+        self.max_len = int(model.config.max_position_embeddings)
+        self._cond = threading.Condition()
+        self._waiting: deque[Sequence] = deque()
+        self._running: list[Sequence] = []
+        # Taken off the queue for this iteration's prefill, not yet in the running batch:
+        # `abort_all` must reach them too (their first token may already be streamed).
+        self._admitting: list[Sequence] = []
+        self._cache: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._mask = torch.zeros(0, 0, dtype=torch.long)
+        self._frozen = self._retract = self._parked = False
+        self._stopped = False
+        self._calls: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
+        self.lora = LoRAContext()
+        self.drafts = drafts  # speculative decoding of lone greedy sequences (`_speculate`)
+        # Finished requests by finish type, and their prompt and generated tokens (for
+        # GET /metrics; written by the scheduler thread only).
+        self.finished: Counter[str] = Counter()
+        self.prompt_tokens = self.generation_tokens = 0
+        self._thread = threading.Thread(target=self._loop, name="engine-scheduler", daemon=True)
+        self._rng = torch.Generator().manual_seed(random.randrange(2**63))
+
+    # ---- called from the event loop -------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+        self._thread.join(timeout=10)
+
+    def submit(self, seq: Sequence) -> None:
+        if seq.params.seed is not None:
+            seq.generator = torch.Generator().manual_seed(seq.params.seed)
+        with self._cond:
+            self._waiting.append(seq)
+            self._cond.notify_all()
+
+    def abort(self, seq: Sequence, message: str) -> None:
+        with self._cond:
+            if seq.finish is None:
+                seq.aborted = message
+                self._cond.notify_all()
+
+    def abort_all(self, message: str) -> int:
+        with self._cond:
+            live = [s for s in (*self._waiting, *self._admitting, *self._running)
+                    if s.finish is None]
+            for seq in live:
+                seq.aborted = message
+            self._cond.notify_all()
+            return len(live)
+
+    def freeze(self, *, retract: bool) -> None:
+        """Stop stepping and return once the thread is parked.
+
+        `retract` moves running sequences back to the queue and drops their KV cache; they
+        re-prefill (under whatever weights are loaded then) after `thaw`.
+        """
+        with self._cond:
+            self._frozen, self._retract = True, retract
+            self._cond.notify_all()
+            while not self._parked and not self._stopped and self._thread.is_alive():
+                self._cond.wait(timeout=1.0)
+
+    def thaw(self) -> None:
+        with self._cond:
+            self._frozen = False
+            self._cond.notify_all()
+
+    def in_flight(self) -> tuple[int, int]:
+        """(running with a KV cache, waiting) counts."""
+        with self._cond:
+            return len(self._running), len(self._waiting)
+
+    def swap_model(self, model: Any, weight_version: str) -> None:
+        """Install new weights; only while no sequence holds a KV cache of the old ones."""
+        with self._cond:
+            if self._running:
+                raise RuntimeError(f"{len(self._running)} requests still hold a KV cache")
+            self.lora.reattach(model)  # loaded adapters apply to the new base weights too
+            self.model, self.weight_version = model, weight_version
+
+    def call(self, fn: Callable[[], Any]) -> Future[Any]:
+        """Run `fn` on the scheduler thread between two steps (paused or not); its result."""
+        done: Future[Any] = Future()
+        with self._cond:
+            if not self._thread.is_alive():  # not started (or stopped): nothing steps
+                done.set_result(fn())
+                return done
+            self._calls.append((fn, done))
+            self._cond.notify_all()
+        return done
+
+    # ---- the scheduler thread --------------------------------------------------------------
+
+    def _loop(self) -> None:
+        torch.set_grad_enabled(False)
+        while True:
+            with self._cond:
+                if not self._wait_for_work():
+                    return
+                self._drop_aborted()
+                admit: list[Sequence] = []
+                while self._waiting and len(self._running) + len(admit) < self.max_batch:
+                    admit.append(self._waiting.popleft())
+                self._admitting = admit
+            try:
+                for seq in admit:
+                    self._prefill(seq)
+                with self._cond:
+                    self._admitting = []
+                if self._running:
+                    if not self._speculate():
+                        self._decode_step()
+            except Exception as exc:  # never leave requests hanging on a dead thread
+                log.exception("engine step failed")
+                failed = [s for s in (*admit, *self._running) if s.finish is None]
+                with self._cond:
+                    self._keep_rows([])
+                    self._admitting = []
+                for seq in failed:
+                    self._finish(seq, {"type": "abort", "message": f"engine error: {exc!r}",
+                                       "status_code": 500})
+
+    def _wait_for_work(self) -> bool:
+        """Block (holding the condition) until there is work; False once stopped.
+
+        While frozen the thread parks here, after retracting if asked, so `freeze` can
+        return knowing no step is under way.
+        """
+        while not self._stopped:
+            while self._calls:
+                fn, done = self._calls.popleft()
+                try:
+                    done.set_result(fn())
+                except Exception as exc:
+                    done.set_exception(exc)
+            if self._frozen:
+                if self._retract:
+                    self._waiting.extendleft(reversed(self._running))
+                    self._keep_rows([])
+                    self._retract = False
+                self._drop_aborted()
+                self._parked = True
+                self._cond.notify_all()
+                self._cond.wait()
+                continue
+            self._parked = False
+            if self._waiting or self._running:
+                return True
+            self._cond.wait()
+        return False
+
+    def _drop_aborted(self) -> None:
+        for seq in [s for s in self._waiting if s.aborted]:
+            self._waiting.remove(seq)
+            self._finish(seq, {"type": "abort", "message": seq.aborted})
+        gone = [i for i, s in enumerate(self._running) if s.aborted]
+        for i in gone:
+            self._finish(self._running[i], {"type": "abort", "message": self._running[i].aborted})
+        if gone:
+            self._keep_rows([i for i, s in enumerate(self._running) if not s.aborted])
+
+    def _prefill(self, seq: Sequence) -> None:
+        """Batch-1 forward over everything the sequence has but the pending last token."""
+        resumed = bool(seq.output_ids)  # retracted earlier: recompute the cache, sample nothing
+        tokens = seq.input_ids + seq.output_ids[:-1] if resumed else seq.input_ids
+        self.lora.rows = [seq.adapter] if seq.adapter is not None else None
+        out = self.model(input_ids=torch.tensor([tokens]), use_cache=True)
+        logits = out.logits[0].float()  # [L, V]
+        seq.n_cached = len(tokens)
+        if not resumed:
+            if seq.return_logprob and seq.logprob_start_len >= 0:
+                self._input_logprobs(seq, logits)
+            if seq.params.max_new_tokens == 0:  # scoring only; record which weights scored
+                seq.weight_spans = [{"version": self.weight_version, "start": 0, "end": 0}]
+                self._finish(seq, {"type": "length", "length": 0})
+                return
+            finish = self._append(seq, logits[-1], F.log_softmax(logits[-1], dim=-1))
+            if finish is not None:
+                self._finish(seq, finish)
+                return
+        self._merge([(k, v) for k, v, *_ in out.cache], seq)
+
+    def _input_logprobs(self, seq: Sequence, logits: torch.Tensor) -> None:
+        # SGLang: one entry per prompt position from logprob_start_len; position i is scored
+        # by the logits at i-1, so the first requested position has no logprob (None).
+        start = min(seq.logprob_start_len, len(seq.input_ids) - 1)
+        ids = torch.tensor(seq.input_ids)
+        logp = F.log_softmax(logits[:-1], dim=-1)  # row j predicts token j+1
+        targets = logp.gather(1, ids[1:, None])[:, 0].tolist()
+        seq.input_logprobs = [None, *targets[start:]]
+        if seq.top_logprobs_num > 0:
+            top = logp[start:].topk(seq.top_logprobs_num, dim=-1)
+            seq.input_top = [None, *_pairs(top.values, top.indices)]
+
+    def _merge(self, cache: list[tuple[torch.Tensor, torch.Tensor]], seq: Sequence) -> None:
+        """Add a batch-1 cache as a new row, left-padding whichever side is shorter."""
+        new_len, old_len = cache[0][0].shape[2], self._mask.shape[1]
+        new_mask = torch.ones(1, new_len, dtype=torch.long)
+        if not self._running:
+            self._cache, self._mask, self._running = cache, new_mask, [seq]
+            return
+        width = max(new_len, old_len)
+        merged = []
+        for (k_old, v_old), (k_new, v_new) in zip(self._cache, cache, strict=True):
+            merged.append((
+                torch.cat([_left_pad(k_old, width), _left_pad(k_new, width)]),
+                torch.cat([_left_pad(v_old, width), _left_pad(v_new, width)]),
+            ))
+        self._mask = torch.cat([F.pad(self._mask, (width - old_len, 0)),
+                                F.pad(new_mask, (width - new_len, 0))])
+        self._cache = merged
+        self._running.append(seq)
+
+    def _decode_step(self) -> None:
+        seqs = self._running
+        input_ids = torch.tensor([[s.output_ids[-1]] for s in seqs])
+        positions = torch.tensor([[s.n_cached] for s in seqs])
+        mask = torch.cat([self._mask, torch.ones(len(seqs), 1, dtype=torch.long)], dim=1)
+        rows = [s.adapter for s in seqs]
+        self.lora.rows = rows if any(a is not None for a in rows) else None
+        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
+                         cache=DynamicCache(ddp_cache_data=self._cache), use_cache=True)
+        self._cache = [(k, v) for k, v, *_ in out.cache]
+        self._mask = mask
+        logits = out.logits[:, -1].float()  # [B, V]
+        logp = F.log_softmax(logits, dim=-1)
+        finished: dict[int, Finish] = {}
+        for row, seq in enumerate(seqs):
+            seq.n_cached += 1
+            finish = self._append(seq, logits[row], logp[row])
+            if finish is not None:
+                finished[row] = finish
+        if finished:
+            # Out of the running batch before anyone hears it finished: a weight update that
+            # waited for the last request then finds no KV cache left.
+            with self._cond:
+                self._keep_rows([i for i in range(len(seqs)) if i not in finished])
+            for row, finish in finished.items():
+                self._finish(seqs[row], finish)
+
+    def _speculate(self) -> bool:
+        """One speculative step for a lone greedy sequence; False when there is none to take
+        (a batch, sampling, an adapter, or nothing to draft): then the caller decodes.
+
+        The sequence's pending token and up to k drafted tokens (`NgramDraft`) go through one
+        forward pass. Each position's logits are what a one-token step would see there, so the
+        greedy tokens are appended in order, as `_decode_step` appends them, while they agree
+        with the draft; the first disagreement is still a model token (the step always gains
+        at least one), and the cache keeps only the positions of appended tokens. Logprobs and
+        alternatives come from each position's own logits.
+        """
+        if self.drafts is None or len(self._running) != 1:
+            return False
+        seq = self._running[0]
+        p = seq.params
+        if not (p.temperature < 1e-5 or p.top_k == 1) or seq.adapter is not None:
+            return False
+        room = min(p.max_new_tokens - len(seq.output_ids), self.max_len - seq.n_cached - 1) - 1
+        draft = self.drafts.draft(seq.input_ids[-self.drafts.max_n:] + seq.output_ids, room)
+        if not draft:
+            return False
+        tokens = [seq.output_ids[-1], *draft]
+        width = self._mask.shape[1]
+        mask = torch.cat([self._mask, torch.ones(1, len(tokens), dtype=torch.long)], dim=1)
+        positions = torch.arange(seq.n_cached, seq.n_cached + len(tokens))[None]
+        self.lora.rows = None
+        out = self.model(input_ids=torch.tensor([tokens]), attention_mask=mask,
+                         position_ids=positions, cache=DynamicCache(ddp_cache_data=self._cache),
+                         use_cache=True)
+        logits = out.logits[0].float()  # [len(tokens), V]
+        logp = F.log_softmax(logits, dim=-1)
+        finish: Finish | None = None
+        kept = 0
+        for i in range(len(tokens)):
+            finish = self._append(seq, logits[i], logp[i])
+            kept += 1
+            if finish is not None or i == len(draft) or seq.output_ids[-1] != draft[i]:
+                break
+        self.drafts.proposed += len(draft)
+        self.drafts.accepted += kept - 1
+        self._cache = [(k[:, :, :width + kept], v[:, :, :width + kept])
+                       for k, v, *_ in out.cache]
+        self._mask = mask[:, :width + kept]
+        seq.n_cached += kept
+        if finish is not None:
+            with self._cond:
+                self._keep_rows([])
+            self._finish(seq, finish)
+        return True
+
+    def _keep_rows(self, rows: list[int]) -> None:
+        if not rows:
+            self._running, self._cache = [], []
+            self._mask = torch.zeros(0, 0, dtype=torch.long)
+            return
+        index = torch.tensor(rows)
+        mask = self._mask[index]
+        # Drop leading columns that are padding in every remaining row.
+        first = int((mask.sum(0) > 0).nonzero()[0])
+        self._mask = mask[:, first:]
+        self._cache = [(k[index, :, first:], v[index, :, first:]) for k, v in self._cache]
+        self._running = [self._running[i] for i in rows]
+
+    def _append(self, seq: Sequence, logits: torch.Tensor, logp: torch.Tensor) -> Finish | None:
+        """Sample from `logits` [V]; record the token with its raw logprob `logp` [V].
+
+        Returns how the sequence finished, if it did; the caller finishes it (after taking it
+        out of the running batch). Otherwise the sequence's reader is told of the new token.
+        """
+        token = _sample(logits, seq.params, seq.generator or self._rng)
+        if not seq.weight_spans or seq.weight_spans[-1]["version"] != self.weight_version:
+            n = len(seq.output_ids)
+            if seq.weight_spans:
+                seq.weight_spans[-1]["end"] = n
+            seq.weight_spans.append({"version": self.weight_version, "start": n, "end": n})
+        seq.weight_spans[-1]["end"] = len(seq.output_ids) + 1
+        if seq.return_logprob:
+            seq.output_logprobs.append(float(logp[token]))
+            if seq.top_logprobs_num > 0:
+                top = logp.topk(seq.top_logprobs_num)
+                seq.output_top.append(_pairs(top.values[None], top.indices[None])[0])
+        seq.output_ids.append(token)
+        finish = self._check_stop(seq, token)
+        if finish is None:
+            seq.notify()
+        return finish
+
+    def _check_stop(self, seq: Sequence, token: int) -> Finish | None:
+        p, n = seq.params, len(seq.output_ids)
+        if n >= p.min_new_tokens:
+            if token in p.stop_token_ids or (token in self.eos_ids and not p.ignore_eos):
+                return {"type": "stop", "matched": token}
+            if p.stop:
+                longest = max(len(s) for s in p.stop)
+                tail = self.decode(seq.output_ids[-(4 * longest + 4):])
+                for stop in p.stop:
+                    if stop and stop in tail:
+                        return {"type": "stop", "matched": stop}
+        if n >= p.max_new_tokens or seq.n_cached + 1 >= self.max_len:
+            return {"type": "length", "length": n}
+        return None
+
+    def _finish(self, seq: Sequence, finish: Finish) -> None:
+        self.finished[str(finish.get("type", "unknown"))] += 1
+        self.prompt_tokens += len(seq.input_ids)
+        self.generation_tokens += len(seq.output_ids)
+        if self.drafts is not None and seq.output_ids and finish.get("type") != "abort":
+            self.drafts.learn(seq.input_ids[-self.drafts.max_n:] + seq.output_ids)
+        seq.finish = finish
+        seq.notify()
+
+
+def _left_pad(x: torch.Tensor, width: int) -> torch.Tensor:
+    """Left-pad the sequence axis (dim 2 of [B, H, T, D]) with zeros up to `width`."""
+    return F.pad(x, (0, 0, width - x.shape[2], 0))
+
+
+def _pairs(values: torch.Tensor, indices: torch.Tensor) -> list[list[tuple[float, int]]]:
+    return [list(zip(v, i, strict=True)) for v, i in zip(values.tolist(), indices.tolist(),
+                                                          strict=True)]
+
+
+def _sample(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator) -> int:
+    """Greedy at temperature ~0; otherwise temperature, top-k, top-p (nucleus) sampling."""
+    if p.temperature < 1e-5 or p.top_k == 1:
+        return int(logits.argmax())
+    scaled = logits / p.temperature
+    if 0 < p.top_k < scaled.shape[-1]:
+        kth = scaled.topk(p.top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    if p.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (always at least one token).
+        drop = sorted_probs.cumsum(0) - sorted_probs >= p.top_p
+        sorted_probs[drop] = 0.0
+        probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
+    return int(torch.multinomial(probs, 1, generator=generator))
