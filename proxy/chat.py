@@ -22,6 +22,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import anyio
@@ -42,7 +43,7 @@ from proxy.openai_types import ChatCompletionRequest, parse_chat_request, parse_
 from proxy.records import TurnRecord
 from proxy.sessions import MAX_SESSION_ID, explicit_session_id
 from proxy.sse import DONE, StreamCollector, relay
-from proxy.upstream import adapter_missing, client_view, engine_body, parse_reply
+from proxy.upstream import EngineReply, adapter_missing, client_view, engine_body, parse_reply
 
 log = logging.getLogger("clawrl.proxy")
 T = TypeVar("T")
@@ -185,120 +186,49 @@ class ChatEndpoint:
         prompt_bytes = len(raw) if not context else min(len(raw), 4 * context)
         lease = state.authenticator.limits.admit(
             principal, estimate_tokens(prompt_bytes, chat.requested_tokens))
+        turn = ChatTurn(principal, body, chat, lease, began, {})
+        turn.record = None if principal.log_opt_out else new_record(
+            principal, body, kind, session_ext, headers, outcome)
+        if turn.record is not None:
+            turn.out["X-Clawrl-Turn-Id"] = turn.record.uid
+            if session_ext is not None:
+                turn.out["X-Clawrl-Session-Id"] = str(
+                    explicit_session_id(principal.user_id, session_ext))
         try:
-            await self._serve(state, receive, send, began, principal, body, chat, headers,
-                              kind, session_ext, outcome, lease)
+            if chat.stream:
+                await self._serve_stream(receive, send, turn)
+            else:
+                await self._serve_json(receive, send, turn)
         finally:
             lease.release()
 
-    async def _serve(self, state: State, receive: Receive, send: Send, began: float,
-                     principal: Principal, body: dict[str, Any], chat: ChatCompletionRequest,
-                     headers: dict[bytes, str], kind: str, session_ext: str | None,
-                     outcome: float | None, lease: Lease) -> None:
-        uid = str(uuid.uuid4())
-        # Users opted out of logging get no turn id: there is no stored turn to refer to.
-        out: dict[str, str] = {} if principal.log_opt_out else {"X-Clawrl-Turn-Id": uid}
-        if session_ext is not None and not principal.log_opt_out:
-            out["X-Clawrl-Session-Id"] = str(explicit_session_id(principal.user_id,
-                                                                 session_ext))
-        record = None if principal.log_opt_out else TurnRecord(
-            uid=uid, user_id=principal.user_id, api_key_id=principal.key_id,
-            request_messages=body["messages"], tools=body.get("tools"),
-            params={k: v for k, v in body.items() if k not in ("messages", "tools")},
-            kind=kind, session_external_id=session_ext,
-            session_done=(headers.get(b"x-session-done") or "").strip().lower() in _TRUE,
-            session_outcome=outcome,
-            train_opt_out=principal.train_opt_out,
-            adapter=principal.adapter, adapter_version=principal.adapter_version)
-        wants_logprobs = bool(chat.logprobs)
+    async def _serve_json(self, receive: Receive, send: Send, turn: ChatTurn) -> None:
+        """A whole reply: one engine call, the turn logged, the JSON sent."""
+        upstream = self.state.upstream
+        data = await self._call_engine(receive, turn, upstream.chat)
+        reply = parse_reply(data)
+        self._finish(turn, reply, "ok")
+        content = orjson.dumps(client_view(data, wants_logprobs=bool(turn.chat.logprobs)))
+        await self._durable(turn)
+        await send_json(send, 200, content, turn.out)
 
-        def log_turn(status: str, error: str | None = None) -> None:
-            if record is None:
-                return
-            record.status, record.error = status, error
-            record.latency_ms = (time.perf_counter() - began) * 1000.0
-            state.writer.submit(record)
-            state.metrics.turns.labels(status).inc()
-
-        upstream = state.upstream
-        # durability = "sync": the reply's final byte waits until the turn is committed
-        # or journaled (fsynced), so a reply read in full is never lost (proxy/store.py).
-        durable: Callable[[], Awaitable[None]] | None = None
-        if record is not None and state.settings.proxy.durability == "sync":
-            durable = functools.partial(state.writer.durable, record.uid)
-        try:
-            try:
-                if chat.stream:
-                    stream = await until_disconnect(receive, upstream.open_chat_stream(
-                        engine_body(body, stream=True, adapter=principal.adapter)))
-                else:
-                    data = await until_disconnect(receive, upstream.chat(
-                        engine_body(body, stream=False, adapter=principal.adapter)))
-            except BadRequest as exc:
-                # The user's adapter is not in the engine (restarted, unloaded before the
-                # table caught up): serve the base model, as for a user without one.
-                if principal.adapter is None or not adapter_missing(exc, principal.adapter):
-                    raise
-                log.warning("adapter %s not loaded in the engine; serving the base model",
-                            principal.adapter, extra={"action": "adapter_fallback"})
-                if record is not None:
-                    record.adapter = record.adapter_version = None
-                if chat.stream:
-                    stream = await until_disconnect(
-                        receive, upstream.open_chat_stream(engine_body(body, stream=True)))
-                else:
-                    data = await until_disconnect(
-                        receive, upstream.chat(engine_body(body, stream=False)))
-        except ClientGone:
-            log_turn("client_disconnected", "The client left before the reply was ready.")
-            raise
-        except (UpstreamError, UpstreamTimeout) as exc:
-            # The engine was called: keep the failed turn (never trained), tell its id.
-            log_turn("engine_error", exc.message)
-            if record is not None:
-                exc.headers.update(out)
-            raise
-
-        if not chat.stream:
-            reply = parse_reply(data)
-            if record is not None:
-                record.response_message = reply.message
-                record.finish_reason = reply.finish_reason
-                record.prompt_ids, record.response_ids = reply.prompt_ids, reply.response_ids
-                record.response_logprobs = reply.logprobs
-                record.weight_version = reply.weight_version or upstream.weight_version
-            state.metrics.count_tokens(len(reply.prompt_ids or ()),
-                                       len(reply.response_ids or ()))
-            lease.release(used_tokens(reply.prompt_ids, reply.response_ids, reply.usage))
-            log_turn("ok")
-            content = orjson.dumps(client_view(data, wants_logprobs=wants_logprobs))
-            if durable is not None:
-                await durable()
-            await send_json(send, 200, content, out)
-            return
-
+    async def _serve_stream(self, receive: Receive, send: Send, turn: ChatTurn) -> None:
+        """A streamed reply: the engine's chunks relayed as they come; the turn is logged
+        when the relay ends (or the client leaves)."""
+        stream = await self._call_engine(receive, turn, self.state.upstream.open_chat_stream)
         finished = False
 
         def finish(collector: StreamCollector, status: str, error: str | None) -> None:
             nonlocal finished
             finished = True
-            if record is not None:
-                record.response_message = collector.message()
-                record.finish_reason = collector.finish_reason
-                record.prompt_ids = collector.prompt_ids
-                record.response_ids = collector.response_ids
-                record.response_logprobs = collector.logprobs or None
-                record.weight_version = collector.weight_version or upstream.weight_version
-            state.metrics.count_tokens(len(collector.prompt_ids or ()),
-                                       len(collector.response_ids or ()))
-            lease.release(used_tokens(collector.prompt_ids, collector.response_ids,
-                                      collector.usage))
-            log_turn(status, error)
+            self._finish(turn, collector.reply(), status, error)
 
-        out.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        turn.out.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         start = {"type": "http.response.start", "status": 200,
-                 "headers": _raw_headers(out, _SSE, None)}
-        pieces = relay(stream, wants_logprobs=wants_logprobs, finish=finish)
+                 "headers": _raw_headers(turn.out, _SSE, None)}
+        pieces = relay(stream, wants_logprobs=bool(turn.chat.logprobs), finish=finish)
+        durable = (functools.partial(self._durable, turn)
+                   if self._sync_durability(turn) else None)
         try:
             await until_disconnect(receive, _forward(start, pieces, send, durable))
         except ClientGone:
@@ -307,8 +237,98 @@ class ChatEndpoint:
             if not finished:  # cut off before the relay started
                 with anyio.CancelScope(shield=True):
                     await stream.aclose()
-                log_turn("client_disconnected", "The client left before the reply started.")
+                self._log(turn, "client_disconnected",
+                          "The client left before the reply started.")
         await send({"type": "http.response.body", "body": b""})
+
+    async def _call_engine(self, receive: Receive, turn: ChatTurn,
+                           call: Callable[[dict[str, Any]], Awaitable[T]]) -> T:
+        """The engine call (`call`: a whole reply or a stream), for the user's adapter; when
+        that adapter is not in the engine (restarted, unloaded before the table caught up),
+        the base model, as for a user without one. A client that leaves or an engine that
+        fails is logged as the turn's status."""
+        adapter, stream = turn.principal.adapter, bool(turn.chat.stream)
+        try:
+            try:
+                return await until_disconnect(
+                    receive, call(engine_body(turn.body, stream=stream, adapter=adapter)))
+            except BadRequest as exc:
+                if adapter is None or not adapter_missing(exc, adapter):
+                    raise
+                log.warning("adapter %s not loaded in the engine; serving the base model",
+                            adapter, extra={"action": "adapter_fallback"})
+                if turn.record is not None:
+                    turn.record.adapter = turn.record.adapter_version = None
+                return await until_disconnect(
+                    receive, call(engine_body(turn.body, stream=stream)))
+        except ClientGone:
+            self._log(turn, "client_disconnected", "The client left before the reply was ready.")
+            raise
+        except (UpstreamError, UpstreamTimeout) as exc:
+            # The engine was called: keep the failed turn (never trained), tell its id.
+            self._log(turn, "engine_error", exc.message)
+            exc.headers.update(turn.out)
+            raise
+
+    def _finish(self, turn: ChatTurn, reply: EngineReply, status: str,
+                error: str | None = None) -> None:
+        """The reply is known (whole, or the stream ended): record it, count its tokens,
+        settle the key's token estimate, log the turn."""
+        if turn.record is not None:
+            record = turn.record
+            record.response_message = reply.message
+            record.finish_reason = reply.finish_reason
+            record.prompt_ids, record.response_ids = reply.prompt_ids, reply.response_ids
+            record.response_logprobs = reply.logprobs
+            record.weight_version = reply.weight_version or self.state.upstream.weight_version
+        self.state.metrics.count_tokens(len(reply.prompt_ids or ()),
+                                        len(reply.response_ids or ()))
+        turn.lease.release(used_tokens(reply.prompt_ids, reply.response_ids, reply.usage))
+        self._log(turn, status, error)
+
+    def _log(self, turn: ChatTurn, status: str, error: str | None = None) -> None:
+        if turn.record is None:  # opted out of logging
+            return
+        turn.record.status, turn.record.error = status, error
+        turn.record.latency_ms = (time.perf_counter() - turn.began) * 1000.0
+        self.state.writer.submit(turn.record)
+        self.state.metrics.turns.labels(status).inc()
+
+    def _sync_durability(self, turn: ChatTurn) -> bool:
+        # durability = "sync": the reply's final byte waits until the turn is committed
+        # or journaled (fsynced), so a reply read in full is never lost (proxy/store.py).
+        return turn.record is not None and self.state.settings.proxy.durability == "sync"
+
+    async def _durable(self, turn: ChatTurn) -> None:
+        if turn.record is not None and self._sync_durability(turn):
+            await self.state.writer.durable(turn.record.uid)
+
+
+@dataclass
+class ChatTurn:
+    """One chat request on its way through: who asked, what, the key's fair-share lease, the
+    turn being logged (None: the user opted out of logging) and the response headers."""
+
+    principal: Principal
+    body: dict[str, Any]
+    chat: ChatCompletionRequest
+    lease: Lease
+    began: float
+    out: dict[str, str]
+    record: TurnRecord | None = None
+
+
+def new_record(principal: Principal, body: dict[str, Any], kind: str, session_ext: str | None,
+               headers: dict[bytes, str], outcome: float | None) -> TurnRecord:
+    """The turn as the request makes it known; the reply's fields are filled in later."""
+    return TurnRecord(
+        uid=str(uuid.uuid4()), user_id=principal.user_id, api_key_id=principal.key_id,
+        request_messages=body["messages"], tools=body.get("tools"),
+        params={k: v for k, v in body.items() if k not in ("messages", "tools")},
+        kind=kind, session_external_id=session_ext,
+        session_done=(headers.get(b"x-session-done") or "").strip().lower() in _TRUE,
+        session_outcome=outcome, train_opt_out=principal.train_opt_out,
+        adapter=principal.adapter, adapter_version=principal.adapter_version)
 
 
 async def _forward(start: Message, pieces: AsyncIterator[bytes], send: Send,

@@ -23,7 +23,7 @@ import httpx
 import orjson
 
 from clawrl.base.errors import ClawrlError, UpstreamError
-from proxy.upstream import ChatStream, translate
+from proxy.upstream import ChatStream, EngineReply, translate
 
 DONE = b"data: [DONE]\n\n"
 
@@ -57,6 +57,13 @@ class StreamCollector:
         for choice in chunk.get("choices") or []:
             if choice.get("index", 0) == 0:
                 self._add_choice(choice)
+
+    def reply(self) -> EngineReply:
+        """The reply so far, in the shape a whole (non-streamed) reply has."""
+        return EngineReply(message=self.message(), finish_reason=self.finish_reason,
+                           prompt_ids=self.prompt_ids, response_ids=self.response_ids,
+                           logprobs=self.logprobs or None, weight_version=self.weight_version,
+                           usage=self.usage)
 
     def _add_choice(self, choice: dict[str, Any]) -> None:
         delta = choice.get("delta") or {}
