@@ -325,7 +325,8 @@ def new_record(principal: Principal, body: dict[str, Any], kind: str, session_ex
         uid=str(uuid.uuid4()), user_id=principal.user_id, api_key_id=principal.key_id,
         request_messages=body["messages"], tools=body.get("tools"),
         params={k: v for k, v in body.items() if k not in ("messages", "tools")},
-        kind=kind, session_external_id=session_ext,
+        kind=kind, kind_reason="header" if (headers.get(b"x-turn-type") or "").strip() else None,
+        session_external_id=session_ext,
         session_done=(headers.get(b"x-session-done") or "").strip().lower() in _TRUE,
         session_outcome=outcome, train_opt_out=principal.train_opt_out,
         adapter=principal.adapter, adapter_version=principal.adapter_version)

@@ -37,6 +37,9 @@ class TurnRecord:
     params: dict[str, Any]
     tools: list[Any] | None = None
     kind: str = "main"  # 'main' or 'side'
+    # Why a turn is what it is: 'header' (X-Turn-Type), a side-call rule's name
+    # (proxy/turnkinds.py) or None (a main turn by default).
+    kind_reason: str | None = None
     # From the headers: `X-Session-Id`, `X-Session-Done` and `X-Session-Outcome`.
     session_external_id: str | None = None
     session_done: bool = False
@@ -75,7 +78,7 @@ class TurnRecord:
         """Column values for the `turns` insert (session columns are added by the caller)."""
         return {
             "uid": uuid.UUID(self.uid), "user_id": self.user_id, "api_key_id": self.api_key_id,
-            "kind": self.kind, "request_messages": self.request_messages,
+            "kind": self.kind, "kind_reason": self.kind_reason, "request_messages": self.request_messages,
             "tools": self.tools, "params": self.params,
             "response_message": self.response_message, "prompt_ids": self.prompt_ids,
             "response_ids": self.response_ids, "response_logprobs": self.response_logprobs,

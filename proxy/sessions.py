@@ -15,6 +15,24 @@ Canonical form (so cosmetic differences do not break a match, real edits do): ro
 System/developer messages are left out by default because agent frameworks rewrite them on
 every request (`proxy.fingerprint_system`).
 
+Context that is never replayed: agents end a request with messages of their own after the
+person's (OpenClaw appends a `<<<BEGIN_OPENCLAW_INTERNAL_CONTEXT>>>` user message to every
+request and drops it from the next). So a turn whose request ends with more than one
+non-assistant message after its last assistant message also stores
+`conversation_fingerprint`: the same hash with that trailing run cut to its first message
+(the one that opened the request). A later request continues the turn when one of its
+prefixes matches either fingerprint. Both are hashes of the whole conversation so far and of
+the reply, so two conversations are joined only when everything but the dropped context is
+the same; never across users.
+
+Explicit sessions (`X-Session-Id`) attach by id: when no prefix matches (the client rewrote
+its history, or sends only the new message), the request continues the session's latest
+open main turn, with the messages after its last assistant message as the next state.
+
+What is not tolerated (each starts a new session unless `X-Session-Id` names it): history
+rewritten by the client (a compaction that replaces the conversation by its summary, an
+edited earlier message), and a reply the client changed before replaying it.
+
 A match consumes the turn (it is no longer open), and candidates are locked with
 `FOR UPDATE SKIP LOCKED`, so two concurrent sessions with identical openings each continue
 a different turn. A turn never continued is closed by `close_stale_turns` after the session
@@ -36,7 +54,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import Table, bindparam, func, select, text, update
+from sqlalchemy import Table, bindparam, func, or_, select, text, update
 from sqlalchemy.dialects.postgresql import BYTEA, JSONB
 from sqlalchemy.dialects.postgresql import UUID as PG_UUID
 from sqlalchemy.dialects.postgresql import insert as pg_insert
@@ -47,6 +65,7 @@ from clawrl.base.db import ChatSession, Turn
 from clawrl.base.jobs import OUTCOME_ONLY, enqueue_stmt, notify_stmt
 from proxy.openai_types import loads_bounded
 from proxy.records import TurnRecord
+from proxy.turnkinds import message_text, opening_index, opening_message, side_call_rule
 
 _OPEN, _CLOSE = "<think>", "</think>"
 _SYSTEM_ROLES = frozenset({"system", "developer"})
@@ -60,17 +79,6 @@ MAX_SESSION_ID = 256  # characters of an `X-Session-Id`
 
 def explicit_session_id(user_id: int, external_id: str) -> uuid.UUID:
     return uuid.uuid5(_SESSION_NS, f"{user_id}/{external_id}")
-
-
-def _text(content: Any) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "\n".join(str(p.get("text") or "") for p in content
-                         if isinstance(p, dict) and p.get("type") == "text")
-    return str(content)
 
 
 def _arguments(raw: Any) -> Any:
@@ -102,7 +110,7 @@ def strip_think(text: str) -> str:
 def canonical_message(message: dict[str, Any]) -> bytes:
     """The parts of a message that identify it in a conversation, as stable bytes."""
     role = message.get("role")
-    body = _text(message.get("content"))
+    body = message_text(message)
     if role == "assistant":
         body = strip_think(body)
     calls = [[(c.get("function") or {}).get("name"),
@@ -114,6 +122,15 @@ def canonical_message(message: dict[str, Any]) -> bytes:
 
 def _included(message: dict[str, Any], include_system: bool) -> bool:
     return include_system or message.get("role") not in _SYSTEM_ROLES
+
+
+def conversation_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """The request without the context appended after its opening message (the trailing
+    non-assistant messages past the first), or None when nothing follows it."""
+    i = opening_index(messages)
+    if i is None or not any(m.get("role") not in _SYSTEM_ROLES for m in messages[i + 1:]):
+        return None
+    return list(messages[:i + 1])
 
 
 def context_fingerprint(messages: Sequence[dict[str, Any]], reply: dict[str, Any],
@@ -141,13 +158,28 @@ def prefix_fingerprints(messages: Sequence[dict[str, Any]],
     return found
 
 
+_FPS = bindparam("fps", type_=ARRAY(BYTEA))
+_NO_POSITION = 1 << 30
 _MATCH = (
-    select(Turn.id, Turn.session_id, Turn.index_in_session, Turn.context_fingerprint)
+    select(Turn.id, Turn.session_id, Turn.index_in_session, Turn.context_fingerprint,
+           Turn.conversation_fingerprint)
     .where(Turn.user_id == bindparam("user_id"), Turn.state == "open", Turn.kind == "main",
-           Turn.context_fingerprint == func.any(bindparam("fps", type_=ARRAY(BYTEA))))
+           or_(Turn.context_fingerprint == func.any(_FPS),
+               Turn.conversation_fingerprint == func.any(_FPS)))
     # Longest prefix first (fps is ordered longest first), then the oldest turn.
-    .order_by(func.array_position(bindparam("fps", type_=ARRAY(BYTEA)),
-                                  Turn.context_fingerprint), Turn.id)
+    .order_by(func.least(
+        func.coalesce(func.array_position(_FPS, Turn.context_fingerprint), _NO_POSITION),
+        func.coalesce(func.array_position(_FPS, Turn.conversation_fingerprint),
+                      _NO_POSITION)), Turn.id)
+    .limit(1)
+    .with_for_update(skip_locked=True)
+)
+# An explicit session's latest open main turn, for a request that matches no prefix.
+_LATEST_OPEN = (
+    select(Turn.id, Turn.session_id, Turn.index_in_session, Turn.request_messages)
+    .where(Turn.session_id == bindparam("session_id"), Turn.state == "open",
+           Turn.kind == "main")
+    .order_by(Turn.index_in_session.desc(), Turn.id.desc())
     .limit(1)
     .with_for_update(skip_locked=True)
 )
@@ -166,19 +198,31 @@ _CONTINUE = (update(_TURNS).where(_TURNS.c.id == bindparam("matched_id"))
 
 async def _find_continued(conn: AsyncConnection, rec: TurnRecord, session_id: uuid.UUID | None,
                           include_system: bool) -> tuple[Any, int] | None:
-    """The open turn this request continues and the matched prefix length, if any."""
+    """The open turn this request continues and the length of the request's messages that
+    turn already holds (the next state is what follows), if any."""
     prefixes = prefix_fingerprints(rec.request_messages, include_system=include_system)
-    if not prefixes:
+    row = None
+    if prefixes:
+        query = _MATCH
+        if session_id is not None:  # an explicit session only continues its own turns
+            query = query.where(Turn.session_id == session_id)
+        row = (await conn.execute(query, {"user_id": rec.user_id,
+                                          "fps": [fp for _, fp in prefixes]})).first()
+    if row is not None:
+        length = next(n for n, fp in prefixes
+                      if fp in (row.context_fingerprint, row.conversation_fingerprint))
+        return row, length
+    if session_id is None:
         return None
-    query = _MATCH
-    if session_id is not None:  # an explicit session only continues its own turns
-        query = query.where(Turn.session_id == session_id)
-    row = (await conn.execute(query, {"user_id": rec.user_id,
-                                      "fps": [fp for _, fp in prefixes]})).first()
-    if row is None:
+    row = (await conn.execute(_LATEST_OPEN, {"session_id": session_id})).first()
+    opening = opening_index(rec.request_messages)
+    if row is None or opening is None:
         return None
-    length = next(n for n, fp in prefixes if fp == row.context_fingerprint)
-    return row, length
+    earlier = opening_message(row.request_messages)
+    if earlier is not None and (canonical_message(earlier)
+                                == canonical_message(rec.request_messages[opening])):
+        return None  # the same request again (a retry, a regenerate): not its next state
+    return row, opening
 
 
 def _session_upsert(done: bool, outcome: bool) -> Any:
@@ -295,6 +339,10 @@ async def record_turns(conn: AsyncConnection, records: Sequence[TurnRecord], *,
             continue
         # Scrubbed before fingerprinting, so a reply and its resent copy still match.
         rec = raw.scrubbed()
+        if rec.kind == "main" and rec.kind_reason is None:
+            rule = side_call_rule(rec.request_messages, rec.tools)
+            if rule is not None:
+                rec.kind, rec.kind_reason = "side", rule
         outcome = await _record_turn(conn, rec, include_system, touched)
         if outcome is not None:
             inserted += 1
@@ -334,12 +382,19 @@ async def _record_turn(conn: AsyncConnection, rec: TurnRecord, include_system: b
         if index < 0:
             index = await _next_index(conn, session_id)
 
-    fingerprint = (context_fingerprint(rec.request_messages, rec.response_message or {},
-                                       include_system=include_system) if main_ok else None)
+    fingerprint = conversation = None
+    if main_ok:
+        reply = rec.response_message or {}
+        fingerprint = context_fingerprint(rec.request_messages, reply,
+                                          include_system=include_system)
+        kept = conversation_messages(rec.request_messages)
+        if kept is not None:
+            conversation = context_fingerprint(kept, reply, include_system=include_system)
     state = "open" if main_ok and not rec.session_done else "closed"
     new_id = (await conn.execute(_INSERT_TURN, {
         **rec.row(), "session_id": session_id, "index_in_session": index,
-        "context_fingerprint": fingerprint, "state": state})).scalar()
+        "context_fingerprint": fingerprint, "conversation_fingerprint": conversation,
+        "state": state})).scalar()
     if new_id is None:
         return None
 

@@ -134,6 +134,9 @@ class Turn(Base):
         ForeignKey("sessions.id", ondelete="CASCADE"), index=True)
     index_in_session: Mapped[int] = mapped_column(Integer, server_default=text("0"))
     kind: Mapped[str] = mapped_column(String(16), server_default=text("'main'"))
+    # 'header' (the client's X-Turn-Type), the side-call rule that matched
+    # (proxy/turnkinds.py), or NULL: a main turn by default.
+    kind_reason: Mapped[str | None] = mapped_column(String(32))
     request_messages: Mapped[Any] = mapped_column(JSONB)
     tools: Mapped[Any | None] = mapped_column(JSONB)
     params: Mapped[Any] = mapped_column(JSONB, server_default=text("'{}'::jsonb"))
@@ -152,6 +155,9 @@ class Turn(Base):
     created_at: Mapped[dt.datetime] = _now()
     # sha256 of the canonical "request messages + assistant reply" (see proxy/sessions.py).
     context_fingerprint: Mapped[bytes | None] = mapped_column()
+    # The same without the context an agent appends after the request's opening message and
+    # never replays (NULL when nothing follows it; proxy/sessions.py).
+    conversation_fingerprint: Mapped[bytes | None] = mapped_column()
     state: Mapped[str] = mapped_column(String(16), server_default=text("'open'"))
     # Messages that followed this turn (user message, tool results), attached by the
     # request that continued it, in the same transaction that recorded that request.
@@ -162,6 +168,8 @@ class Turn(Base):
     __table_args__ = (
         Index("ix_turns_user_fingerprint", "user_id", "context_fingerprint",
               postgresql_where=text("state = 'open'")),
+        Index("ix_turns_user_conversation", "user_id", "conversation_fingerprint",
+              postgresql_where=text("state = 'open' AND conversation_fingerprint IS NOT NULL")),
         Index("ix_turns_user_created", "user_id", "created_at"),
         Index("ix_turns_open_created", "created_at", postgresql_where=text("state = 'open'")),
         # The console's filters (migration 0005): a version's turns newest first, a time range.

@@ -237,6 +237,36 @@ async def test_explicit_session_and_done(db: AsyncEngine, db_url: str) -> None:
     assert closed_at is not None
 
 
+async def test_an_explicit_session_attaches_by_id_when_no_prefix_matches(
+        db: AsyncEngine, db_url: str) -> None:
+    """A client that names its session but sends only the new message (or rewrites its
+    history) still continues the session's latest open turn; the same request sent again
+    (a retry) does not; another session's or another user's turns are never candidates."""
+    uid, _ = create_user(db_url, "hana")
+    log = Log(db, uid)
+    t1 = await log.turn([SYS, user("plan a trip")], assistant("Where to?"),
+                        session_external_id="s")
+    retry = await log.turn([SYS, user("plan a trip")], assistant("Where to, then?"),
+                           session_external_id="s")
+    assert turn_row(db_url, t1)["state"] == "open"  # a retry is not its next state
+    t2 = await log.turn([user("Lisbon, in May")], assistant("Nice."), session_external_id="s")
+    r2 = turn_row(db_url, t2)
+    # The latest open turn (the retry) is continued by the new message.
+    assert turn_row(db_url, retry)["next_turn_id"] == r2["id"]
+    assert turn_row(db_url, retry)["next_state"] == [user("Lisbon, in May")]
+    assert r2["session_id"] == explicit_session_id(uid, "s") and r2["index_in_session"] == 2
+    # Without a session id, the same bare message starts a session of its own.
+    alone = await log.turn([user("Lisbon, in May")], assistant("?"))
+    assert turn_row(db_url, alone)["index_in_session"] == 0
+    assert turn_row(db_url, t2)["state"] == "open"
+    # Another user naming the same session id gets their own session.
+    other, _ = create_user(db_url, "ivan")
+    theirs = await Log(db, other).turn([user("and June?")], assistant("."),
+                                       session_external_id="s")
+    assert turn_row(db_url, t2)["state"] == "open"
+    assert turn_row(db_url, theirs)["session_id"] == explicit_session_id(other, "s")
+
+
 async def test_opt_out_and_failed_turns(db: AsyncEngine, db_url: str) -> None:
     uid, _ = create_user(db_url, "gina", train_opt_out=True)
     log = Log(db, uid, train_opt_out=True)
