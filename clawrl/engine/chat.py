@@ -1,7 +1,8 @@
 """`/v1/chat/completions` for the embedded engine, shaped like SGLang 0.5.x `serving_chat.py`.
 
 The prompt is the model's chat template rendered by `tokenizer.apply_chat_template` (tools
-included) and encoded without added special tokens, or the request's own `input_ids`.
+included; for a template that cannot render tools, in the format of clawrl/engine/tools.py)
+and encoded without added special tokens, or the request's own `input_ids`.
 Token ids come back as `choices[].prompt_token_ids` / `response_token_ids`
 (`return_token_ids`, non-stream only) or in a response-level `sglext` object
 (`return_input_ids_in_sglext` / `return_output_ids_in_sglext` or the `x-sglext-return-*-ids: 1`
@@ -32,6 +33,7 @@ from clawrl.engine.protocol import (
 )
 from clawrl.engine.runtime import Engine
 from clawrl.engine.scheduler import Sequence
+from clawrl.engine.tools import render_tool_messages
 
 Disconnected = Callable[[], Awaitable[bool]]
 _ROLES = {"system", "developer", "user", "assistant", "tool"}
@@ -98,6 +100,9 @@ def prompt_ids(engine: Engine, req: ChatCompletionRequest) -> list[int]:
         else:
             messages[-1] = {"role": "user", "content": messages[-1]["content"]}
     tools: Any = req.tools if req.tools and req.tool_choice != "none" else None
+    if not engine.renders_tools and (tools or any(
+            m.get("tool_calls") or m["role"] == "tool" for m in messages)):
+        messages, tools = render_tool_messages(messages, tools), None
     try:
         text = engine.tokenizer.apply_chat_template(
             messages, tools=tools, tokenize=False, add_generation_prompt=True,
@@ -131,16 +136,18 @@ def parse_tool_calls(text: str, tools: list[dict[str, Any]]) -> tuple[str, list[
     calls: list[dict[str, Any]] = []
     for match in _TOOL_RE.finditer(text, start):
         try:
-            obj = json.loads(match.group(1))
+            found = json.loads(match.group(1))
         except json.JSONDecodeError:
             continue
-        if not isinstance(obj, dict) or obj.get("name") not in names:
-            continue
-        args = obj.get("arguments", obj.get("parameters", {}))
-        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "index": len(calls),
-                      "type": "function",
-                      "function": {"name": obj["name"],
-                                   "arguments": json.dumps(args, ensure_ascii=False)}})
+        # One object per tag (Qwen2.5), or a list of them (SmolLM2's own format).
+        for obj in found if isinstance(found, list) else [found]:
+            if not isinstance(obj, dict) or obj.get("name") not in names:
+                continue
+            args = obj.get("arguments", obj.get("parameters", {}))
+            calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "index": len(calls),
+                          "type": "function",
+                          "function": {"name": obj["name"],
+                                       "arguments": json.dumps(args, ensure_ascii=False)}})
     return text[:start].strip(), calls
 
 

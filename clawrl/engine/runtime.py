@@ -29,6 +29,7 @@ from clawrl.engine.lora import Adapter, LoRAError, Registry, read_adapter
 from clawrl.engine.ngram import NgramDraft
 from clawrl.engine.protocol import EngineError
 from clawrl.engine.scheduler import Scheduler, Sequence
+from clawrl.engine.tools import template_renders_tools
 
 log = logging.getLogger("clawrl.engine")
 
@@ -136,6 +137,9 @@ class Engine:
         self.served_model_name = served_model_name or self.model_path
         self.device, self.dtype = device, dtype
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        # Whether the template puts tool schemas in the prompt; if not, clawrl/engine/tools.py
+        # renders them (checked once: the template does not change while serving).
+        self.renders_tools = template_renders_tools(self.tokenizer)
         model = load_model(self.model_path, device=device, dtype=dtype)
         self.config = model.config
         self.context_len = int(model.config.max_position_embeddings)
