@@ -7,7 +7,9 @@ turn, the `samples` row. If the job's lease was taken over meanwhile, nothing is
 
 Never judged (job done, no judgment): user opted out of training, side turns.
 Judged as skipped (judgment with reason, no votes, no sample): turn status not ok, empty
-response, response cut off by the length limit, judge prompt over the judge's context.
+response, judge prompt over the judge's context. A reply cut off by the length limit is
+judged and trained like any other: its tokens are what the model said, and a reply too long
+is exactly the one a person complains about.
 
 Outcome only: a session's final turn has no next state, so only its session's outcome says
 how it went; the proxy enqueues its job with the `OUTCOME_ONLY` payload marker when the
@@ -86,8 +88,6 @@ def skip_reason(turn: Turn) -> str | None:
         return f"skipped: turn status {turn.status}"
     if not turn.response_ids:
         return "skipped: empty response"
-    if turn.finish_reason == "length":
-        return "skipped: response cut off by the length limit"
     return None
 
 

@@ -129,7 +129,6 @@ async def test_skipped_and_never_judged_turns(db: Engine, db_url: str) -> None:
     user, opted_out = add_user(db), add_user(db, opt_out=True)
     empty = add_turn(db, user, response_ids=[], response_logprobs=[],
                      response_message={"role": "assistant", "content": ""})
-    cut = add_turn(db, user, finish_reason="length")
     broken = add_turn(db, user, status="engine_error")
     add_turn(db, opted_out)
     add_turn(db, user, kind="side")
@@ -138,11 +137,24 @@ async def test_skipped_and_never_judged_turns(db: Engine, db_url: str) -> None:
     assert judge.requests == []  # none of these needed the judge
     reasons = {r.turn_id: r.reason for r in rows(db, "SELECT * FROM judgments")}
     assert reasons == {empty: "skipped: empty response",
-                       cut: "skipped: response cut off by the length limit",
                        broken: "skipped: turn status engine_error"}
     assert rows(db, "SELECT * FROM samples") == []
     notes = sorted(j.last_error for j in jobs(db) if j.last_error)
     assert notes == ["not judged: side turn", "not judged: user opted out of training"]
+
+
+async def test_a_reply_cut_off_by_the_length_limit_is_judged_and_trained(
+        db: Engine, db_url: str) -> None:
+    """A reply too long is what people complain about: cut off at max_tokens, it is judged
+    like any other and becomes a sample."""
+    cut = add_turn(db, add_user(db), finish_reason="length")
+    judge = ScriptedJudge(prm=["\\boxed{-1}"], hint=["[NO_HINT]"])
+    await run_until(db_url, settings_for(db_url), judge, lambda: job_status(db) == ["done"])
+    assert judge.requests  # the judge was asked
+    [judgment] = rows(db, "SELECT * FROM judgments")
+    assert judgment.turn_id == cut and judgment.reward == -1 and judgment.reason is None
+    [sample] = rows(db, "SELECT * FROM samples")
+    assert sample.turn_id == cut and sample.reward == -1
 
 
 async def test_endpoint_down_is_retried_then_recorded_never_lost(db: Engine,
