@@ -10,8 +10,9 @@ are that turn's next state: they are attached to it, and a judge job enqueued, i
 transaction that records the new turn.
 
 Canonical form (so cosmetic differences do not break a match, real edits do): role, text
-(content parts joined, surrounding whitespace and `<think>` blocks stripped), tool calls as
-(name, arguments as canonical JSON); reasoning fields, names and tool call ids are ignored.
+(content parts joined, surrounding whitespace and `<think>` blocks stripped, and a reply's
+leading timestamp envelope, which agents strip before replaying), tool calls as (name,
+arguments as canonical JSON); reasoning fields, names and tool call ids are ignored.
 System/developer messages are left out by default because agent frameworks rewrite them on
 every request (`proxy.fingerprint_system`).
 
@@ -50,6 +51,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -68,6 +70,10 @@ from proxy.records import TurnRecord
 from proxy.turnkinds import message_text, opening_index, opening_message, side_call_rule
 
 _OPEN, _CLOSE = "<think>", "</think>"
+# A timestamp envelope an agent puts before each user message ("[Mon 2026-12-07 01:34 UTC] "),
+# which a model may copy at the start of its reply and the agent strips before replaying it.
+_ENVELOPE = re.compile(r"^\[(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun) \d{4}-\d{2}-\d{2} \d{2}:\d{2}"
+                       r"(?::\d{2})? [A-Z][A-Za-z+\-0-9]{1,8}\]\s*")
 _SYSTEM_ROLES = frozenset({"system", "developer"})
 _SEP = b"\x1e"  # record separator between canonical messages in the hash stream
 
@@ -112,7 +118,7 @@ def canonical_message(message: dict[str, Any]) -> bytes:
     role = message.get("role")
     body = message_text(message)
     if role == "assistant":
-        body = strip_think(body)
+        body = _ENVELOPE.sub("", strip_think(body).lstrip(), count=1)
     calls = [[(c.get("function") or {}).get("name"),
               _arguments((c.get("function") or {}).get("arguments"))]
              for c in message.get("tool_calls") or [] if isinstance(c, dict)]

@@ -99,6 +99,21 @@ def test_the_context_an_agent_appends_is_cut_from_the_conversation() -> None:
     assert conversation_messages(plain) is None  # nothing appended: one fingerprint
 
 
+def test_a_reply_the_agent_replays_without_its_envelope_still_matches() -> None:
+    """SmolLM2 copied OpenClaw's timestamp envelope into its reply; OpenClaw replayed the
+    reply without it (seen with the real OpenClaw against clawrl)."""
+    stored = {"role": "assistant", "content": "[Mon 2026-12-07 01:34 UTC] What outdoor activity"
+              " did I say I like? (Not about) Keeping in touch"}
+    replayed = {"role": "assistant", "content": "What outdoor activity did I say I like? "
+                "(Not about) Keeping in touch"}
+    assert canonical_message(stored) == canonical_message(replayed)
+    # only a reply's leading envelope: a user's stays, and so does one inside the text
+    user = {"role": "user", "content": stored["content"]}
+    assert canonical_message(user) != canonical_message({**replayed, "role": "user"})
+    inner = {"role": "assistant", "content": "Noted: [Mon 2026-12-07 01:34 UTC] hi"}
+    assert canonical_message(inner) != canonical_message({**inner, "content": "Noted: hi"})
+
+
 @pytest.fixture
 async def db(db_url: str) -> AsyncIterator[AsyncEngine]:
     engine = create_async(db_url)
