@@ -298,14 +298,27 @@ async def demo_key(db_url: str, state_dir: Path) -> str:
     return key
 
 
-def print_ready(base_url: str, key: str, state_dir: Path, model: Path) -> None:
+def engine_context(engine_url: str) -> int | None:
+    """The served model's context length in tokens, as the engine reports it."""
+    try:
+        info = httpx.get(f"{engine_url}/model_info", timeout=10).json()
+        return int(info["context_length"])
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return None
+
+
+def print_ready(base_url: str, key: str, state_dir: Path, model: Path,
+                context: int | None = None) -> None:
     admin_key_source = ("$CLAWRL_PROXY__ADMIN_KEY" if os.environ.get("CLAWRL_PROXY__ADMIN_KEY")
                         else state_dir / "admin_key")
+    context_line = (f"\n  context   {context} tokens per request, prompt and reply (agents with "
+                    "long prompts such as OpenClaw:\n            docs/clients.md says which "
+                    "settings fit)") if context else ""
     print(f"""
 clawrl is up.
   base URL  {base_url}
   API key   {key}   (user "demo"; kept in {state_dir / "demo_key"})
-  model     {model}
+  model     {model}{context_line}
   logs      {state_dir / "logs"}
   admin key {admin_key_source}   (admin API under {base_url[:-3]}/admin)
 
@@ -410,7 +423,7 @@ def run_children(args: argparse.Namespace, state_dir: Path, db_url: str) -> int:
             stack.start("train", ["train", "--model", str(model), "--engine-url", engine_url,
                                   *(["--personal"] if args.personal else [])])
         key = asyncio.run(demo_key(db_url, state_dir))
-        print_ready(f"{proxy_url}/v1", key, state_dir, model)
+        print_ready(f"{proxy_url}/v1", key, state_dir, model, engine_context(engine_url))
         if args.exit_after_ready:
             time.sleep(1.0)  # let the workers get going, so an immediate crash shows
             dead = stack.dead()

