@@ -1,6 +1,6 @@
 """PRM scoring: m votes on the next state; the majority is the reward.
 
-Rules (DESIGN §3, STYLE habit 14): only parseable votes count; the most frequent score wins;
+Rules (a judge that cannot decide abstains): only parseable votes count; the most frequent score wins;
 a tie at the top, or no parseable vote at all, is an abstention (None, stored as NULL),
 never a 0. A 0 is only ever a reward when the judges said 0.
 

@@ -10,7 +10,7 @@
    entries of `meta_info.input_token_logprobs` are log p_teacher(response_t | teacher_prompt,
    response_<t), one per recorded response token. (SGLang's first entry from the start
    position is always null — position k is scored by the logits at k-1 — so starting one
-   token early is what makes the first response token scored; DESIGN §3 says len(prompt).)
+   token early is what makes the first response token scored, not len(prompt).)
 
 The teacher is the live policy engine by default (self-distillation) or a separate engine.
 Too long for the model's context → no logprobs, with the reason (not an error).

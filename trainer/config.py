@@ -56,7 +56,7 @@ def model_recipe(model_dir: Path, *, personal: bool = False) -> dict[str, object
 
 class TrainerSettings(BaseModel):
     # What to learn from: `rl` = judged reward only, `opd` = hindsight-hint teacher only,
-    # `combine` = both (DESIGN §4). A sample without the chosen signal is never trained.
+    # `combine` = both (docs/trainer.md). A sample without the chosen signal is never trained.
     method: Method = "combine"
     w_rl: float = 1.0
     w_opd: float = 1.0

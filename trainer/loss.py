@@ -7,7 +7,7 @@ we do our own gathering, so the shift happens exactly once, here in `gather_logp
 `mask[b, j]` is 1 where `input_ids[b, j + 1]` is a response token of a trainable sample and
 0 on prompt tokens and padding.
 
-The objective (DESIGN §4, §10), per response token t of sample b:
+The objective (docs/trainer.md), per response token t of sample b:
 
     r_b     = w_o · o_b + (1 − w_o) · p_b   the session outcome o mixed with the process reward
                                             p (the judge's vote); either alone where only it is

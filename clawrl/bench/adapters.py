@@ -34,7 +34,7 @@ written by `TorchBackend.save_adapter` (PEFT folder + optimizer state).
    pause). Reported: medians of each part, and full weights / adapter as the median of the
    per-round ratios (end to end) and the ratio of the median pauses.
 
-Figures are medians over rounds, measured side by side in one run (DESIGN §8).
+Figures are medians over rounds, measured side by side in one run.
 """
 
 from __future__ import annotations

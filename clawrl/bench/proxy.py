@@ -7,7 +7,7 @@ Starts a stand-in engine (clawrl/bench/fake_engine.py) and the real proxy (`claw
 its own uvicorn process, logging every turn to a real Postgres: a scratch database on
 CLAWRL_DATABASE__URL's server, else an embedded one under /tmp), then drives both with
 closed-loop clients. Each client alternates direct and proxied requests, so the two paths
-are measured side by side under the same load (DESIGN §8). At 1 client the stand-in
+are measured side by side under the same load. At 1 client the stand-in
 answers at once (per-request cost); at more clients replies take `--reply-s` (2 s),
 streamed one token per `--chunk-ms` (10 ms), as an engine would. Reported per level and
 mode: p50/p99 latency of each path and their difference (the overhead), time to first

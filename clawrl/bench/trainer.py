@@ -14,7 +14,7 @@
    and the swap pause = the longest probe stall during the update minus the median probe.
 3. Peak RSS of this (trainer) process during each phase, sampled every 20 ms.
 
-Figures are medians over rounds, measured side by side in one run (DESIGN §8).
+Figures are medians over rounds, measured side by side in one run.
 """
 
 from __future__ import annotations
