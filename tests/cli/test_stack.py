@@ -158,6 +158,8 @@ def test_up_serves_and_stops_on_sigterm(state_dir: Path, tiny_model_dir: Path,
         reply = client.chat.completions.create(
             model="default", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
         assert reply.choices[0].message.role == "assistant"
+        # The model is listed by its folder's name, not a path of this machine.
+        assert [m.id for m in client.models.list()] == [tiny_model_dir.name]
         # A worker that dies is restarted; the stack keeps serving.
         judge = next(c for c in children if "judge" in c.cmdline())
         judge.kill()
@@ -187,8 +189,9 @@ def test_up_serves_and_stops_on_sigterm(state_dir: Path, tiny_model_dir: Path,
 
 @pytest.mark.parametrize("args, env, message", [
     (["--model", "/nonexistent"], {}, "--model /nonexistent: no Hugging Face model there"),
-    ([], {"CLAWRL_DATABASE__URL": "postgresql://postgres@127.0.0.1:1/x"}, "database: "),
-    ([], {"CLAWRL_DATABASE__URL": "nonsense"}, "database: "),
+    (["--small-model"], {"CLAWRL_DATABASE__URL": "postgresql://postgres@127.0.0.1:1/x"},
+     "database: "),
+    (["--small-model"], {"CLAWRL_DATABASE__URL": "nonsense"}, "database: "),
 ])
 def test_up_bad_input_is_one_line(state_dir: Path, args: list[str], env: dict[str, str],
                                   message: str) -> None:

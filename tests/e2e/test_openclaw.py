@@ -139,6 +139,10 @@ def test_openclaw_conversations_are_sessions_judged_and_its_own_calls_are_side(
             errors="replace") and up_log.read_text(errors="replace"), 400, alive)
         key = re.search(r"API key\s+(ck-\S+)", text)
         assert key is not None, text
+        assert "context   8192 tokens" in text  # what an agent's prompt must fit
+        models = httpx.get(f"http://127.0.0.1:{port}/v1/models",
+                           headers={"Authorization": f"Bearer {key.group(1)}"}).json()
+        assert [m["id"] for m in models["data"]] == ["smollm2-135m"]
         gateway_port = free_port()
         (home / ".openclaw").mkdir(parents=True)
         config = home / ".openclaw" / "openclaw.json"
