@@ -170,7 +170,6 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--no-llama-cpp", action="store_true")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    torch.set_grad_enabled(False)
     model_dir = args.model or pull_model("smollm2-135m", CACHE_DIR)
     model = load_model(model_dir, device="cpu", dtype=torch.float32)
     vocab = int(model.config.vocab_size)
