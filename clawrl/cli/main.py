@@ -48,6 +48,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "megatron": ("clawrl.bench.megatron", "main"),
     "console": ("clawrl.bench.console", "main"),
     "env": ("clawrl.bench.envs", "main"),
+    "engine": ("clawrl.bench.engine", "main"),
 }
 
 

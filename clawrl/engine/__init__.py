@@ -5,5 +5,6 @@ run. Imports torch, transformers and itself only.
 `clawrl engine --model DIR` (or `python -m clawrl.engine --model DIR`). Modules:
 scheduler (batching thread, KV cache, sampling), runtime (weights, pause, swap lock),
 protocol (request bodies, errors), chat (/v1/chat/completions), server (routes, CLI),
-lora (adapters), pretrained (`clawrl models pull`: model directories from pip packages).
+lora (adapters), prefix_cache (KV of prompt prefixes seen before), pretrained (`clawrl
+models pull`: model directories from pip packages).
 """

@@ -194,7 +194,8 @@ def _metadata(seq: Sequence, engine: Engine) -> dict[str, Any]:
 def _usage(n_prompt: int, seq: Sequence) -> dict[str, Any]:
     n = len(seq.output_ids)
     return {"prompt_tokens": n_prompt, "completion_tokens": n, "total_tokens": n_prompt + n,
-            "prompt_tokens_details": None, "reasoning_tokens": 0}
+            "prompt_tokens_details": {"cached_tokens": seq.cached_tokens},
+            "reasoning_tokens": 0}
 
 
 def _finish(seq: Sequence, has_calls: bool) -> tuple[str, Any]:

@@ -24,6 +24,7 @@ using; an evicted adapter is reloaded from its path by the next request that nam
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import math
@@ -39,6 +40,7 @@ log = logging.getLogger("clawrl.engine")
 
 _CONFIG = "adapter_config.json"
 _WEIGHTS = "adapter_model.safetensors"
+_UIDS = itertools.count(1)
 
 
 class LoRAError(Exception):
@@ -57,6 +59,9 @@ class Adapter:
     in_use: int = 0
     unregistered: bool = False
     idle: asyncio.Event = field(default_factory=asyncio.Event)
+    # Unique per load, never reused (a reload under the same name may be other weights): the
+    # prefix cache keys an adapter's KV by it.
+    uid: int = field(default_factory=lambda: next(_UIDS))
 
     def __post_init__(self) -> None:
         self.idle.set()

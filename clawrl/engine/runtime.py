@@ -27,6 +27,7 @@ import torch
 
 from clawrl.engine.lora import Adapter, LoRAError, Registry, read_adapter
 from clawrl.engine.ngram import NgramDraft
+from clawrl.engine.prefix_cache import PrefixCache
 from clawrl.engine.protocol import EngineError
 from clawrl.engine.scheduler import Scheduler, Sequence
 from clawrl.engine.tools import template_renders_tools
@@ -130,7 +131,7 @@ class Engine:
                  weight_version: str = "default", device: str = "cpu",
                  dtype: torch.dtype = torch.float32, max_batch: int = 32,
                  max_loaded_loras: int | None = None, speculative_draft_tokens: int = 0,
-                 ) -> None:
+                 prefix_cache_mb: float = 0) -> None:
         from transformers import AutoTokenizer
 
         self.model_path = str(model_path)
@@ -159,7 +160,8 @@ class Engine:
         self.scheduler = Scheduler(model, eos_ids=self.eos_ids,
                                    decode=lambda ids: own.decode(ids, skip_special_tokens=True),
                                    weight_version=weight_version, max_batch=max_batch,
-                                   drafts=drafts)
+                                   drafts=drafts,
+                                   prefix_cache=PrefixCache(int(prefix_cache_mb * 2**20)))
         self.lock = RWLock()
         self._resumed = asyncio.Event()
         self._resumed.set()

@@ -19,6 +19,15 @@ LoRA: each sequence may carry an `Adapter` (clawrl/engine/lora.py); before every
 thread writes the adapter of each batch row into `lora.rows`, and the hooks on the target
 modules add that row's low-rank update, so base rows and rows of different adapters share one
 forward. Hooks are added only on this thread, between steps (`call`).
+
+Prefix cache (clawrl/engine/prefix_cache.py): a prefill first looks up the longest cached
+prefix of its tokens, under the weights now serving and the sequence's adapter, and forwards
+only the rest on top of that KV; `Sequence.cached_tokens` says how many it skipped. The
+prompt's KV is stored right after its prefill (a request arriving meanwhile with the same
+system prompt hits it), and prompt plus reply when the sequence finishes (the next turn of a
+conversation is that plus a new message). Prefill computes logits only from the first
+position anyone reads (the last, or `logprob_start_len` when input logprobs are asked for),
+which also bounds the hit: a cached position has no logits.
 """
 
 from __future__ import annotations
@@ -38,6 +47,7 @@ from transformers.cache_utils import DynamicCache
 
 from clawrl.engine.lora import Adapter, LoRAContext
 from clawrl.engine.ngram import NgramDraft
+from clawrl.engine.prefix_cache import PrefixCache
 
 log = logging.getLogger("clawrl.engine")
 
@@ -87,6 +97,7 @@ class Sequence:
     # scheduler-private state
     aborted: str | None = None
     n_cached: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     generator: torch.Generator | None = None
 
 
@@ -95,7 +106,8 @@ class Scheduler:
 
     def __init__(self, model: Any, *, eos_ids: set[int], decode: Callable[[list[int]], str],
                  weight_version: str, max_batch: int = 32,
-                 drafts: NgramDraft | None = None) -> None:
+                 drafts: NgramDraft | None = None,
+                 prefix_cache: PrefixCache | None = None) -> None:
         self.model = model
         self.eos_ids = eos_ids
         self.decode = decode  # token ids -> text (special tokens skipped), for stop strings
@@ -115,10 +127,12 @@ class Scheduler:
         self._calls: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
         self.lora = LoRAContext()
         self.drafts = drafts  # speculative decoding of lone greedy sequences (`_speculate`)
+        self.prefix_cache = prefix_cache if prefix_cache is not None else PrefixCache(0)
+        self._weights_serial = 0  # +1 per swap, even one that keeps the version label
         # Finished requests by finish type, and their prompt and generated tokens (for
         # GET /metrics; written by the scheduler thread only).
         self.finished: Counter[str] = Counter()
-        self.prompt_tokens = self.generation_tokens = 0
+        self.prompt_tokens = self.generation_tokens = self.cached_tokens = 0
         self._thread = threading.Thread(target=self._loop, name="engine-scheduler", daemon=True)
         self._rng = torch.Generator().manual_seed(random.randrange(2**63))
 
@@ -184,6 +198,7 @@ class Scheduler:
                 raise RuntimeError(f"{len(self._running)} requests still hold a KV cache")
             self.lora.reattach(model)  # loaded adapters apply to the new base weights too
             self.model, self.weight_version = model, weight_version
+            self._weights_serial += 1  # the thread retires the old prefix cache before a step
 
     def call(self, fn: Callable[[], Any]) -> Future[Any]:
         """Run `fn` on the scheduler thread between two steps (paused or not); its result."""
@@ -204,6 +219,7 @@ class Scheduler:
             with self._cond:
                 if not self._wait_for_work():
                     return
+                self.prefix_cache.retire(self._weights_serial)
                 self._drop_aborted()
                 admit: list[Sequence] = []
                 while self._waiting and len(self._running) + len(admit) < self.max_batch:
@@ -267,14 +283,24 @@ class Scheduler:
             self._keep_rows([i for i, s in enumerate(self._running) if not s.aborted])
 
     def _prefill(self, seq: Sequence) -> None:
-        """Batch-1 forward over everything the sequence has but the pending last token."""
+        """Batch-1 forward over everything the sequence has but the pending last token, less
+        the longest prefix whose KV is cached."""
         resumed = bool(seq.output_ids)  # retracted earlier: recompute the cache, sample nothing
         tokens = seq.input_ids + seq.output_ids[:-1] if resumed else seq.input_ids
+        scoring = not resumed and seq.return_logprob and seq.logprob_start_len >= 0
+        first = min(seq.logprob_start_len, len(tokens) - 1) if scoring else len(tokens) - 1
+        namespace = _namespace(seq)
+        hit, past = self.prefix_cache.lookup(namespace, tokens, limit=first)
         self.lora.rows = [seq.adapter] if seq.adapter is not None else None
-        out = self.model(input_ids=torch.tensor([tokens]), use_cache=True)
-        logits = out.logits[0].float()  # [L, V]
+        out = self.model(input_ids=torch.tensor([tokens[hit:]]),
+                         cache=DynamicCache(ddp_cache_data=past) if past else None,
+                         use_cache=True, logits_to_keep=len(tokens) - first)
+        logits = out.logits[0].float()  # [L - first, V]: positions first .. L-1
+        cache = [(k, v) for k, v, *_ in out.cache]
+        self.prefix_cache.insert(namespace, tokens, [(k[0], v[0]) for k, v in cache])
         seq.n_cached = len(tokens)
         if not resumed:
+            seq.cached_tokens = hit
             if seq.return_logprob and seq.logprob_start_len >= 0:
                 self._input_logprobs(seq, logits)
             if seq.params.max_new_tokens == 0:  # scoring only; record which weights scored
@@ -285,18 +311,19 @@ class Scheduler:
             if finish is not None:
                 self._finish(seq, finish)
                 return
-        self._merge([(k, v) for k, v, *_ in out.cache], seq)
+        self._merge(cache, seq)
 
     def _input_logprobs(self, seq: Sequence, logits: torch.Tensor) -> None:
         # SGLang: one entry per prompt position from logprob_start_len; position i is scored
         # by the logits at i-1, so the first requested position has no logprob (None).
+        # `logits` are those of positions start .. L-1.
         start = min(seq.logprob_start_len, len(seq.input_ids) - 1)
         ids = torch.tensor(seq.input_ids)
-        logp = F.log_softmax(logits[:-1], dim=-1)  # row j predicts token j+1
-        targets = logp.gather(1, ids[1:, None])[:, 0].tolist()
-        seq.input_logprobs = [None, *targets[start:]]
+        logp = F.log_softmax(logits[:-1], dim=-1)  # row j predicts token start+j+1
+        targets = logp.gather(1, ids[start + 1:, None])[:, 0].tolist()
+        seq.input_logprobs = [None, *targets]
         if seq.top_logprobs_num > 0:
-            top = logp[start:].topk(seq.top_logprobs_num, dim=-1)
+            top = logp.topk(seq.top_logprobs_num, dim=-1)
             seq.input_top = [None, *_pairs(top.values, top.indices)]
 
     def _merge(self, cache: list[tuple[torch.Tensor, torch.Tensor]], seq: Sequence) -> None:
@@ -338,6 +365,7 @@ class Scheduler:
             if finish is not None:
                 finished[row] = finish
         if finished:
+            self._remember({row: seqs[row] for row in finished})
             # Out of the running batch before anyone hears it finished: a weight update that
             # waited for the last request then finds no KV cache left.
             with self._cond:
@@ -390,10 +418,24 @@ class Scheduler:
         self._mask = mask[:, :width + kept]
         seq.n_cached += kept
         if finish is not None:
+            self._remember({0: seq})
             with self._cond:
                 self._keep_rows([])
             self._finish(seq, finish)
         return True
+
+    def _remember(self, rows: dict[int, Sequence]) -> None:
+        """Store the KV of finishing rows (prompt and reply) in the prefix cache: the next turn
+        of a conversation starts with them. Row b holds its `n_cached` positions right-aligned
+        (input ids, then every output token but the last, which was never fed back)."""
+        if not self.prefix_cache.enabled:
+            return
+        width = self._mask.shape[1]
+        for row, seq in rows.items():
+            n = seq.n_cached
+            self.prefix_cache.insert(_namespace(seq), (seq.input_ids + seq.output_ids)[:n],
+                                     [(k[row, :, width - n:], v[row, :, width - n:])
+                                      for k, v in self._cache])
 
     def _keep_rows(self, rows: list[int]) -> None:
         if not rows:
@@ -450,11 +492,17 @@ class Scheduler:
     def _finish(self, seq: Sequence, finish: Finish) -> None:
         self.finished[str(finish.get("type", "unknown"))] += 1
         self.prompt_tokens += len(seq.input_ids)
+        self.cached_tokens += seq.cached_tokens
         self.generation_tokens += len(seq.output_ids)
         if self.drafts is not None and seq.output_ids and finish.get("type") != "abort":
             self.drafts.learn(seq.input_ids[-self.drafts.max_n:] + seq.output_ids)
         seq.finish = finish
         seq.notify()
+
+
+def _namespace(seq: Sequence) -> int | None:
+    """Whose KV this sequence makes and may reuse: the base model's (None) or its adapter's."""
+    return seq.adapter.uid if seq.adapter is not None else None
 
 
 def _left_pad(x: torch.Tensor, width: int) -> torch.Tensor:

@@ -197,6 +197,7 @@ def create_app(engine: Engine, *, api_key: str | None = None,
         if running or waiting:
             return PlainTextResponse("Cache not flushed: requests are running or queued.",
                                      status_code=400)
+        await asyncio.wrap_future(engine.scheduler.call(engine.scheduler.prefix_cache.clear))
         return PlainTextResponse("Cache flushed.\nPlease check backend logs for more details. "
                                  "(When there are running or waiting requests, the operation "
                                  "will not be performed.)")
@@ -323,7 +324,7 @@ def _generate_body(engine: Engine, req: GenerateRequest, seq: Sequence,
     spans = seq.weight_spans
     meta: dict[str, Any] = {
         "id": seq.rid, "finish_reason": seq.finish, "prompt_tokens": len(seq.input_ids),
-        "completion_tokens": n, "cached_tokens": 0,
+        "completion_tokens": n, "cached_tokens": seq.cached_tokens,
         "weight_version": spans[-1]["version"] if spans else engine.weight_version,
         "e2e_latency": time.monotonic() - started,
     }
@@ -377,6 +378,9 @@ def main(argv: list[str]) -> int:
                              "wrote before and checks them in one forward pass (SGLang's flag)")
     parser.add_argument("--speculative-num-draft-tokens", type=int, default=8)
     parser.add_argument("--max-batch", type=int, default=32)
+    parser.add_argument("--prefix-cache-mb", type=float, default=1024,
+                        help="memory for the KV of cached prompt prefixes (a request sharing "
+                             "a prefix with an earlier one skips its prefill); 0 disables")
     parser.add_argument("--max-loaded-loras", type=int, default=None,
                         help="LoRA adapters resident at once; the least recently used "
                              "unpinned one is evicted past it (default: no bound)")
@@ -394,6 +398,9 @@ def main(argv: list[str]) -> int:
         print("clawrl engine: --speculative-num-draft-tokens must be at least 1",
               file=sys.stderr)
         return 1
+    if args.prefix_cache_mb < 0:
+        print("clawrl engine: --prefix-cache-mb must be 0 (off) or more", file=sys.stderr)
+        return 1
     if args.max_loaded_loras is not None and args.max_loaded_loras < 1:
         print("clawrl engine: --max-loaded-loras must be at least 1", file=sys.stderr)
         return 1
@@ -410,6 +417,7 @@ def main(argv: list[str]) -> int:
                         weight_version=args.weight_version, device=device,
                         dtype=resolve_dtype(args.dtype, device), max_batch=args.max_batch,
                         max_loaded_loras=args.max_loaded_loras,
+                        prefix_cache_mb=args.prefix_cache_mb,
                         speculative_draft_tokens=(args.speculative_num_draft_tokens
                                                   if args.speculative_algorithm else 0))
     except Exception as exc:  # a model that cannot load: one line, non-zero exit
