@@ -211,9 +211,9 @@ class ChatEndpoint:
         body, chat, shape, extra = self.parse(raw)
         context = settings.max_context_tokens or state.upstream.context_length
         if context and chat.requested_tokens and chat.requested_tokens > context:
-            field = self.tokens_field(chat)
-            raise BadRequest(f"Invalid value for '{field}': {chat.requested_tokens} exceeds the "
-                             f"model's context length of {context} tokens.", param=field)
+            name = self.tokens_field(chat)
+            raise BadRequest(f"Invalid value for '{name}': {chat.requested_tokens} exceeds the "
+                             f"model's context length of {context} tokens.", param=name)
         kind = (headers.get(b"x-turn-type") or "main").strip().lower() or "main"
         if kind not in ("main", "side"):
             raise BadRequest("The X-Turn-Type header must be 'main' or 'side'.")

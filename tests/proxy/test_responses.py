@@ -549,3 +549,31 @@ def test_stream_rendering_of_text_and_tool_calls() -> None:
     assert final["output"][0]["content"][0]["text"] == "On it."
     assert final["output"][1]["arguments"] == '{"word": "sea"}'
     assert final["output"][1]["call_id"] == "call_7"
+
+
+def test_agent_request_shapes_are_accepted() -> None:
+    """What agent clients send by default: OpenClaw (pi-ai's openai-responses: the system
+    prompt as a developer item, reasoning items replayed, prompt_cache_key, include, store
+    false, a tool with strict null) and the Agents SDK (text.format text, truncation, nulls)."""
+    body = {
+        "model": "m", "stream": True, "store": False, "prompt_cache_key": "session-1",
+        "include": ["reasoning.encrypted_content"], "max_output_tokens": 64,
+        "reasoning": {"effort": "medium", "summary": "auto"}, "text": {"format": {"type": "text"}},
+        "truncation": "disabled", "previous_response_id": None, "conversation": None,
+        "tools": [{**TOOLS[0], "strict": None}], "tool_choice": None, "top_p": None,
+        "input": [
+            {"role": "developer", "content": "You are OpenClaw."},
+            {"role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+            {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "xyz"},
+            {"type": "message", "role": "assistant", "status": "completed", "id": "msg_1",
+             "content": [{"type": "output_text", "text": "Hello.", "annotations": []}]},
+            {"role": "user", "content": [{"type": "input_text", "text": "look up sea"}]},
+            {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "lookup",
+             "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "call_1", "output": "water"}]}
+    chat, _, _ = parse_responses_request(json.dumps(body).encode())
+    assert [m["role"] for m in chat["messages"]] == ["developer", "user", "assistant", "user",
+                                                     "assistant", "tool"]
+    assert chat["stream"] is True and chat["reasoning_effort"] == "medium"
+    assert chat["tools"] == CHAT_TOOLS and "response_format" not in chat
+    assert "top_p" not in chat and "tool_choice" not in chat
