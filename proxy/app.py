@@ -9,7 +9,8 @@ must be migrated (`clawrl db upgrade`; `clawrl up` does it).
 Shared resources live in the lifespan: the engine connections (a lean keep-alive pool for
 chat, proxy/engine_http.py, and one `httpx.AsyncClient` for the rest), one async SQLAlchemy
 engine, and the background tasks — the turn writer, the session-timeout sweep and the
-weight-version poll. `POST /v1/chat/completions` skips FastAPI's layers (`ProxyApp`).
+weight-version poll. `POST /v1/chat/completions` and `POST /v1/responses` (the same path,
+proxy/responses.py) skip FastAPI's layers (`ProxyApp`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import contextlib
 import importlib
 import logging
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from types import MappingProxyType
 from typing import Any
 
 import httpx
@@ -43,6 +45,7 @@ from proxy.chat import ChatEndpoint, ClientGone, read_body, send_json
 from proxy.endpoints import router
 from proxy.journal import Journal
 from proxy.metrics import MetricsMiddleware, ProxyMetrics
+from proxy.responses import RESPONSES_PATH, ResponsesEndpoint
 from proxy.sessions import close_stale_turns
 from proxy.store import TurnWriter
 from proxy.upstream import CHAT_PATH, Upstream, create_client, create_pool
@@ -91,19 +94,20 @@ async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
 
 
 class ProxyApp(FastAPI):
-    """FastAPI, except that `POST /v1/chat/completions` goes straight to its endpoint
-    (through the metrics middleware only): FastAPI's middleware stack costs more CPU per
-    request than the whole relay, and the chat route needs none of it."""
+    """FastAPI, except that `POST /v1/chat/completions` (and `POST /v1/responses`) go
+    straight to their endpoints (through the metrics middleware only): FastAPI's middleware
+    stack costs more CPU per request than the whole relay, and these routes need none of
+    it."""
 
-    fast_chat: ASGIApp | None = None
+    fast_routes: Mapping[str, ASGIApp] = MappingProxyType({})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await super().__call__(scope, receive, send)
             return
-        if self.fast_chat is not None and scope["path"] == CHAT_PATH \
-                and scope["method"] == "POST":
-            await self.fast_chat(scope, receive, send)  # enforces the body limit itself
+        fast = self.fast_routes.get(scope["path"]) if scope["method"] == "POST" else None
+        if fast is not None:
+            await fast(scope, receive, send)  # enforces the body limit itself
             return
         # Every other route: the whole body, within the limit, before any parsing or auth.
         limit = self.state.settings.proxy.max_body_bytes
@@ -187,10 +191,12 @@ def create_app(settings: Settings, *, db_url: str | None = None,
     app.add_exception_handler(ClawrlError, _on_clawrl_error)
     app.add_exception_handler(StarletteHTTPException, _on_http_error)
     app.add_exception_handler(Exception, _on_unexpected)
-    chat = ChatEndpoint(app.state)
-    app.fast_chat = MetricsMiddleware(chat, metrics=app.state.metrics)
-    # Also a regular route: other methods get 405, and ASGI test transports reach it.
+    chat, responses = ChatEndpoint(app.state), ResponsesEndpoint(app.state)
+    app.fast_routes = {path: MetricsMiddleware(endpoint, metrics=app.state.metrics)
+                       for path, endpoint in ((CHAT_PATH, chat), (RESPONSES_PATH, responses))}
+    # Also regular routes: other methods get 405, and ASGI test transports reach them.
     app.router.routes.append(Route(CHAT_PATH, chat, methods=["POST"]))
+    app.router.routes.append(Route(RESPONSES_PATH, responses, methods=["POST"]))
     app.include_router(router)
     try:  # H2b's admin API, when present
         admin = importlib.import_module("proxy.admin")

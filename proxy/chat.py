@@ -7,6 +7,11 @@ ASGI itself: headers read once from the scope, the body read from `receive`, the
 sent as raw messages. What it answers is unchanged: OpenAI-shaped error bodies with the
 same statuses (`ClawrlError.body()`), the same turn ids and session headers.
 
+`POST /v1/responses` (proxy/responses.py) is this same endpoint with another `parse`: the
+Responses request becomes a chat body, and a `ReplyShape` renders the engine's chat reply
+(whole, or its stream) as Responses objects and events. Everything between (auth, fair
+share, sessions, the engine call, the turn log) is shared.
+
 The endpoint does no database work of its own: the key lookup is cached (proxy/auth.py)
 and the turn is handed to the background writer (proxy/store.py) after the reply is sent
 or, for a stream, when it ends. Anything rejected before the engine is called is not
@@ -22,8 +27,8 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
 
 import anyio
 import orjson
@@ -42,7 +47,7 @@ from proxy.limits import Lease, estimate_tokens, used_tokens
 from proxy.openai_types import ChatCompletionRequest, parse_chat_request, parse_outcome_header
 from proxy.records import TurnRecord
 from proxy.sessions import MAX_SESSION_ID, explicit_session_id
-from proxy.sse import DONE, StreamCollector, relay
+from proxy.sse import ChatRenderer, Last, Renderer, StreamCollector, relay
 from proxy.upstream import EngineReply, adapter_missing, client_view, engine_body, parse_reply
 
 log = logging.getLogger("clawrl.proxy")
@@ -122,12 +127,49 @@ async def send_json(send: Send, status: int, content: bytes,
     await send({"type": "http.response.body", "body": content})
 
 
+class ReplyShape(Protocol):
+    """What the client reads: a whole reply's body, or a stream's events."""
+
+    def whole(self, turn: ChatTurn, data: dict[str, Any], reply: EngineReply) -> bytes:
+        """The body of a whole reply (`data`: the engine's chat response)."""
+        ...
+
+    def renderer(self, turn: ChatTurn) -> Renderer:
+        """The renderer of a streamed reply (proxy/sse.py)."""
+        ...
+
+
+@dataclass
+class ChatShape:
+    """The chat completions API: the engine's own reply, minus what the proxy asked for."""
+
+    wants_logprobs: bool = False
+
+    def whole(self, turn: ChatTurn, data: dict[str, Any], reply: EngineReply) -> bytes:
+        return orjson.dumps(client_view(data, wants_logprobs=self.wants_logprobs))
+
+    def renderer(self, turn: ChatTurn) -> Renderer:
+        return ChatRenderer(self.wants_logprobs)
+
+
 class ChatEndpoint:
     """The ASGI app for `POST /v1/chat/completions`; reads the running app's state (set
-    by its lifespan: upstream, writer, authenticator) per request."""
+    by its lifespan: upstream, writer, authenticator) per request. A subclass serves
+    another API over the same path by overriding `parse` (proxy/responses.py)."""
 
     def __init__(self, state: State) -> None:
         self.state = state
+
+    def parse(self, raw: bytes) -> tuple[dict[str, Any], ChatCompletionRequest, ReplyShape,
+                                         dict[str, Any]]:
+        """The chat body to send, its validated view, how the reply is shaped for the
+        client, and extra parameters to log with the turn; or BadRequest."""
+        body, chat = parse_chat_request(raw)
+        return body, chat, ChatShape(bool(chat.logprobs)), {}
+
+    def tokens_field(self, chat: ChatCompletionRequest) -> str:
+        """The request field that asked for `chat.requested_tokens` (named in a 400)."""
+        return "max_completion_tokens" if chat.max_completion_tokens else "max_tokens"
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = False
@@ -166,12 +208,12 @@ class ChatEndpoint:
         auth = headers.get(b"authorization")
         principal = await state.authenticator.authenticate(
             {"authorization": auth} if auth is not None else {})
-        body, chat = parse_chat_request(raw)
+        body, chat, shape, extra = self.parse(raw)
         context = settings.max_context_tokens or state.upstream.context_length
         if context and chat.requested_tokens and chat.requested_tokens > context:
-            field = "max_completion_tokens" if chat.max_completion_tokens else "max_tokens"
-            raise BadRequest(f"Invalid value for '{field}': {chat.requested_tokens} exceeds the "
-                             f"model's context length of {context} tokens.", param=field)
+            name = self.tokens_field(chat)
+            raise BadRequest(f"Invalid value for '{name}': {chat.requested_tokens} exceeds the "
+                             f"model's context length of {context} tokens.", param=name)
         kind = (headers.get(b"x-turn-type") or "main").strip().lower() or "main"
         if kind not in ("main", "side"):
             raise BadRequest("The X-Turn-Type header must be 'main' or 'side'.")
@@ -186,9 +228,9 @@ class ChatEndpoint:
         prompt_bytes = len(raw) if not context else min(len(raw), 4 * context)
         lease = state.authenticator.limits.admit(
             principal, estimate_tokens(prompt_bytes, chat.requested_tokens))
-        turn = ChatTurn(principal, body, chat, lease, began, {})
+        turn = ChatTurn(principal, body, chat, lease, began, {}, shape)
         turn.record = None if principal.log_opt_out else new_record(
-            principal, body, kind, session_ext, headers, outcome)
+            principal, body, kind, session_ext, headers, outcome, uid=turn.uid, extra=extra)
         if turn.record is not None:
             turn.out["X-Clawrl-Turn-Id"] = turn.record.uid
             if session_ext is not None:
@@ -208,7 +250,7 @@ class ChatEndpoint:
         data = await self._call_engine(receive, turn, upstream.chat)
         reply = parse_reply(data)
         self._finish(turn, reply, "ok")
-        content = orjson.dumps(client_view(data, wants_logprobs=bool(turn.chat.logprobs)))
+        content = turn.shape.whole(turn, data, reply)
         await self._durable(turn)
         await send_json(send, 200, content, turn.out)
 
@@ -226,7 +268,7 @@ class ChatEndpoint:
         turn.out.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         start = {"type": "http.response.start", "status": 200,
                  "headers": _raw_headers(turn.out, _SSE, None)}
-        pieces = relay(stream, wants_logprobs=bool(turn.chat.logprobs), finish=finish)
+        pieces = relay(stream, render=turn.shape.renderer(turn), finish=finish)
         durable = (functools.partial(self._durable, turn)
                    if self._sync_durability(turn) else None)
         try:
@@ -306,8 +348,9 @@ class ChatEndpoint:
 
 @dataclass
 class ChatTurn:
-    """One chat request on its way through: who asked, what, the key's fair-share lease, the
-    turn being logged (None: the user opted out of logging) and the response headers."""
+    """One chat request on its way through: who asked, what, the key's fair-share lease,
+    the response headers, how the reply is shaped, the turn's id and the turn being logged
+    (None: the user opted out of logging)."""
 
     principal: Principal
     body: dict[str, Any]
@@ -315,16 +358,21 @@ class ChatTurn:
     lease: Lease
     began: float
     out: dict[str, str]
+    shape: ReplyShape
+    uid: str = field(default_factory=lambda: str(uuid.uuid4()))
     record: TurnRecord | None = None
 
 
 def new_record(principal: Principal, body: dict[str, Any], kind: str, session_ext: str | None,
-               headers: dict[bytes, str], outcome: float | None) -> TurnRecord:
-    """The turn as the request makes it known; the reply's fields are filled in later."""
+               headers: dict[bytes, str], outcome: float | None, *, uid: str | None = None,
+               extra: dict[str, Any] | None = None) -> TurnRecord:
+    """The turn as the request makes it known; the reply's fields are filled in later.
+    `extra`: parameters logged with the turn that the engine never sees."""
+    params = {k: v for k, v in body.items() if k not in ("messages", "tools")}
     return TurnRecord(
-        uid=str(uuid.uuid4()), user_id=principal.user_id, api_key_id=principal.key_id,
+        uid=uid or str(uuid.uuid4()), user_id=principal.user_id, api_key_id=principal.key_id,
         request_messages=body["messages"], tools=body.get("tools"),
-        params={k: v for k, v in body.items() if k not in ("messages", "tools")},
+        params={**params, **(extra or {})},
         kind=kind, kind_reason="header" if (headers.get(b"x-turn-type") or "").strip() else None,
         session_external_id=session_ext,
         session_done=(headers.get(b"x-session-done") or "").strip().lower() in _TRUE,
@@ -336,13 +384,14 @@ async def _forward(start: Message, pieces: AsyncIterator[bytes], send: Send,
                    durable: Callable[[], Awaitable[None]] | None = None) -> None:
     """Send the response start, then each relayed piece as it comes; the relay is always
     closed at the end (so a client that disconnects closes the engine request now, not at
-    garbage collection). With `durable`, `[DONE]` waits: the relay is closed first (which
-    logs the turn), then `durable()` until the turn is stored."""
+    garbage collection). With `durable`, the final piece (`Last`: chat's `[DONE]`) waits:
+    the relay is closed first (which logs the turn), then `durable()` until the turn is
+    stored."""
     closer = getattr(pieces, "aclose", None)
     try:
         await send(start)
         async for piece in pieces:
-            if piece == DONE and durable is not None:
+            if isinstance(piece, Last) and durable is not None:
                 if closer is not None:
                     await closer()
                 await durable()

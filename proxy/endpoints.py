@@ -1,7 +1,8 @@
 """The proxy's FastAPI routes besides chat: models, feedback, session outcomes, health and
 metrics.
 
-`POST /v1/chat/completions` is a bare ASGI endpoint (proxy/chat.py), the hot path. Every
+`POST /v1/chat/completions` is a bare ASGI endpoint (proxy/chat.py), the hot path, and so is
+`POST /v1/responses` (proxy/responses.py). Every
 error here is a `clawrl.base.errors` exception rendered as an OpenAI-shaped body by the app's
 handler.
 """
@@ -14,6 +15,7 @@ import orjson
 from fastapi import APIRouter, FastAPI, Request, Response
 from fastapi.openapi.utils import get_openapi
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel
 from sqlalchemy import insert, select
 from sqlalchemy.exc import SQLAlchemyError
 
@@ -27,6 +29,7 @@ from proxy.openai_types import (
     parse_feedback,
     parse_outcome,
 )
+from proxy.responses import RESPONSES_PATH, ResponsesRequest
 from proxy.sessions import MAX_SESSION_ID, set_outcome
 from proxy.upstream import CHAT_PATH
 
@@ -125,12 +128,14 @@ async def post_outcome(request: Request, session_id: str) -> dict[str, Any]:
 
 def openapi_document(app: FastAPI) -> dict[str, Any]:
     """The proxy's OpenAPI document: FastAPI's routes, plus the request bodies of the bare
-    chat route, of feedback and of session outcomes (read raw, so FastAPI cannot describe
-    them)."""
+    chat and responses routes, of feedback and of session outcomes (read raw, so FastAPI
+    cannot describe them)."""
     doc = get_openapi(title="clawrl proxy", version="1", routes=app.routes)
     schemas = doc.setdefault("components", {}).setdefault("schemas", {})
-    for path, model in ((CHAT_PATH, ChatCompletionRequest), ("/v1/feedback", FeedbackRequest),
-                        ("/v1/sessions/{session_id}/outcome", OutcomeRequest)):
+    models: tuple[tuple[str, type[BaseModel]], ...] = (
+        (CHAT_PATH, ChatCompletionRequest), (RESPONSES_PATH, ResponsesRequest),
+        ("/v1/feedback", FeedbackRequest), ("/v1/sessions/{session_id}/outcome", OutcomeRequest))
+    for path, model in models:
         schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
         schemas.update(schema.pop("$defs", {}))
         schemas[model.__name__] = schema

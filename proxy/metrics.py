@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 # Label values are limited to known routes, so a scanner cannot blow up cardinality.
-ROUTES = frozenset({"/v1/chat/completions", "/v1/models", "/v1/feedback", "/healthz",
+ROUTES = frozenset({"/v1/chat/completions", "/v1/responses", "/v1/models", "/v1/feedback", "/healthz",
                     "/readyz", "/metrics"})
 
 

@@ -183,14 +183,16 @@ class ChatCompletionRequest(_Strict):
 _BRANCH_LABELS = {"str", "int", "float", "bool", "dict", "list", "none"}
 
 
-def _describe(exc: ValidationError) -> tuple[str, str | None, str]:
+def describe_error(exc: ValidationError, prefix: str = "") -> tuple[str, str | None, str]:
     """One readable line for the first validation error naming the parameter, the
-    parameter's path, and the error code."""
+    parameter's path (under `prefix`, for a part of the body validated on its own), and
+    the error code."""
     # The most specific error: for a union (`str | list[...]`) the branch that got furthest.
     err = max(exc.errors(), key=lambda e: len(e["loc"]))
     # Drop pydantic's union-branch labels ("str", "list[ContentPart]", ...) from the path.
-    path = ".".join(str(p) for p in err["loc"] if str(p) not in _BRANCH_LABELS
-                    and "[" not in str(p) and not str(p).startswith("literal"))
+    path = ".".join([prefix] * bool(prefix) + [
+        str(p) for p in err["loc"] if str(p) not in _BRANCH_LABELS
+        and "[" not in str(p) and not str(p).startswith("literal")])
     msg = str(err["msg"]).removeprefix("Value error, ")
     if err["type"] == "extra_forbidden":
         field = str(err["loc"][-1])
@@ -242,8 +244,8 @@ def _check_arguments(request: ChatCompletionRequest) -> None:
                                  f"{MAX_JSON_DEPTH} levels.", param=where)
 
 
-def parse_chat_request(raw: bytes) -> tuple[dict[str, Any], ChatCompletionRequest]:
-    """The raw JSON object (to forward) and its validated view, or BadRequest."""
+def load_body(raw: bytes) -> dict[str, Any]:
+    """A request body as a JSON object, at most MAX_JSON_DEPTH deep, or BadRequest."""
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -254,18 +256,30 @@ def parse_chat_request(raw: bytes) -> tuple[dict[str, Any], ChatCompletionReques
     if json_depth(body, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
         raise BadRequest(f"The request body nests JSON deeper than {MAX_JSON_DEPTH} levels.",
                          code="invalid_json")
+    return body
+
+
+def parse_chat_request(raw: bytes) -> tuple[dict[str, Any], ChatCompletionRequest]:
+    """The raw JSON object (to forward) and its validated view, or BadRequest."""
+    body = load_body(raw)
+    return body, validate_chat_body(body)
+
+
+def validate_chat_body(body: dict[str, Any]) -> ChatCompletionRequest:
+    """The validated view of a chat body (the client's, or one translated from another
+    API), or BadRequest. Drops reply-only fields resent inside messages."""
     _drop_empty_extras(body)
     try:
         request = ChatCompletionRequest.model_validate(body)
     except ValidationError as exc:
-        message, param, code = _describe(exc)
+        message, param, code = describe_error(exc)
         raise BadRequest(message, code=code, param=param) from exc
     _check_arguments(request)
     params = {k: v for k, v in body.items() if k not in ("messages", "tools")}
     if len(orjson.dumps(params)) > MAX_PARAMS_BYTES:
         raise BadRequest(f"The request's parameters (all but 'messages' and 'tools') exceed "
                          f"{MAX_PARAMS_BYTES} bytes.", code="params_too_large")
-    return body, request
+    return request
 
 
 class FeedbackRequest(BaseModel):
@@ -313,7 +327,7 @@ def _parse_small(model: type[_Small], raw: bytes) -> _Small:
     except ValidationError as exc:
         if exc.errors()[0]["type"] == "json_invalid":
             raise BadRequest("The request body is not valid JSON.", code="invalid_json") from exc
-        message, param, _ = _describe(exc)
+        message, param, _ = describe_error(exc)
         raise BadRequest(message, param=param) from exc
 
 

@@ -10,13 +10,18 @@ Endings: `[DONE]` -> status 'ok'; an engine error chunk, a broken or timed-out c
 or a stream that ends before a finish reason -> one final OpenAI-shaped error event and
 status 'engine_error'; the client going away -> the upstream request is closed at once
 (so the engine stops generating) and the turn is 'client_disconnected'.
+
+What the client reads is a `Renderer`'s: `ChatRenderer` forwards the chunks themselves
+(`chat.completion.chunk`); proxy/responses.py renders the same chunks as Responses API
+events. Either way the relay yields the stream's final piece as `Last`, so the caller can
+hold it back until the turn is stored (`durability = "sync"`).
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 import httpx
@@ -142,12 +147,54 @@ def client_chunk(chunk: dict[str, Any], *, wants_logprobs: bool) -> bytes | None
 Finish = Callable[[StreamCollector, str, str | None], None]
 
 
-async def relay(upstream: ChatStream, *, wants_logprobs: bool,
-                finish: Finish) -> AsyncIterator[bytes]:
-    """Forward an open engine stream; `finish(collector, status, error)` runs exactly once."""
+class Last(bytes):
+    """The final piece of a relayed stream (chat's `[DONE]`): once it is sent the reply is
+    complete, so a caller may wait for the turn to be stored before sending it."""
+
+
+class Renderer(Protocol):
+    """What the client reads of a stream: a start, one piece per engine chunk, an end."""
+
+    def start(self) -> bytes:
+        """Sent before the first engine chunk (b"": nothing)."""
+        ...
+
+    def chunk(self, chunk: dict[str, Any]) -> bytes | None:
+        """The piece for one engine chunk (already added to the collector), or None."""
+        ...
+
+    def end(self, collector: StreamCollector, failure: ClawrlError | None) -> bytes:
+        """The closing piece: the reply is complete (`failure` None) or failed."""
+        ...
+
+
+@dataclass
+class ChatRenderer:
+    """The chat completions stream: the engine's chunks, minus what only the proxy asked
+    for, then `[DONE]` (after one error event when the stream failed)."""
+
+    wants_logprobs: bool = False
+
+    def start(self) -> bytes:
+        return b""
+
+    def chunk(self, chunk: dict[str, Any]) -> bytes | None:
+        return client_chunk(chunk, wants_logprobs=self.wants_logprobs)
+
+    def end(self, collector: StreamCollector, failure: ClawrlError | None) -> bytes:
+        return DONE if failure is None else error_event(failure) + DONE
+
+
+async def relay(upstream: ChatStream, *, render: Renderer, finish: Finish,
+                ) -> AsyncIterator[bytes]:
+    """Forward an open engine stream as `render` shapes it; the last piece is a `Last`;
+    `finish(collector, status, error)` runs exactly once."""
     collector = StreamCollector()
     status, error = "client_disconnected", None
     try:
+        first = render.start()
+        if first:
+            yield first
         failure: ClawrlError | None = None
         try:
             async for group in iter_data(upstream):
@@ -167,7 +214,7 @@ async def relay(upstream: ChatStream, *, wants_logprobs: bool,
                     if failure is not None:
                         break
                     collector.add(chunk)
-                    piece = client_chunk(chunk, wants_logprobs=wants_logprobs)
+                    piece = render.chunk(chunk)
                     if piece is not None:
                         out.append(piece)
                 if out:
@@ -180,12 +227,10 @@ async def relay(upstream: ChatStream, *, wants_logprobs: bool,
             failure = UpstreamError("The engine ended the stream before the reply finished.")
         if failure is not None:
             status, error = "engine_error", failure.message
-            yield error_event(failure)
         else:
             status = "ok"
-        yield DONE
+        yield Last(render.end(collector, failure))
     finally:
         with anyio.CancelScope(shield=True):
             await upstream.aclose()
         finish(collector, status, error)
-

@@ -1,4 +1,5 @@
-"""Schemathesis over the proxy's OpenAPI document (every route, the chat route included):
+"""Schemathesis over the proxy's OpenAPI document (every route, the chat and responses routes
+included):
 generated valid and invalid requests, over real HTTP, to the proxy in front of the real
 embedded engine and real Postgres. No request may get a 5xx, the turn writer must stay up,
 and every accepted chat turn must be stored. CI-sized: a bounded number of examples per
@@ -31,7 +32,8 @@ from proxy.endpoints import openapi_document
 schemathesis = pytest.importorskip("schemathesis")
 
 EXAMPLES = 40
-CHAT_EXAMPLES = 150  # the route that matters most, and the writer behind it
+CHAT_EXAMPLES = 150  # the routes that matter most, and the writer behind them
+TURN_ROUTES = ("/v1/chat/completions", "/v1/responses")
 ADMIN_KEY = "admin-sekrit"
 
 
@@ -74,6 +76,17 @@ def fuzz_document(app: FastAPI) -> dict[str, Any]:
     message = doc["components"]["schemas"]["ChatMessage"]
     message["required"] = ["role", "content"]
     message["properties"]["content"] = {"type": "string", "maxLength": 200}
+    responses = doc["components"]["schemas"]["ResponsesRequest"]
+    responses["properties"]["max_output_tokens"] = {"type": "integer", "minimum": 1,
+                                                    "maximum": 4}
+    responses["required"] = sorted({*responses.get("required", []), "max_output_tokens"})
+    # Input as text, or a few messages, so that valid cases reach the engine often enough.
+    responses["properties"]["input"] = {"anyOf": [
+        {"type": "string", "maxLength": 200},
+        {"type": "array", "maxItems": 4, "items": {
+            "type": "object", "required": ["role", "content"], "additionalProperties": False,
+            "properties": {"role": {"enum": ["user", "assistant", "system", "developer"]},
+                           "content": {"type": "string", "maxLength": 200}}}}]}
     return doc
 
 
@@ -102,7 +115,8 @@ def test_schemathesis_every_route(threaded_proxy: tuple[str, FastAPI], db_url: s
              statuses, server_errors)
     elapsed = time.monotonic() - started
     writer = app.state.writer
-    accepted = statuses_for(app)
+    by_route = statuses_for(app)
+    accepted = sum(by_route.values())
     # Wait for the writer to drain: an empty backlog still leaves the batch it took in flight
     # (on a busy machine its commit came after the backlog emptied: 36 stored of 37).
     deadline = time.monotonic() + 30
@@ -113,11 +127,12 @@ def test_schemathesis_every_route(threaded_proxy: tuple[str, FastAPI], db_url: s
         time.sleep(0.1)
     print(f"\nschemathesis: {sum(statuses.values())} requests over {len(operations)} "
           f"operations in {elapsed:.0f} s, {len(server_errors)} 5xx, writer restarts "
-          f"{writer.restarts}, turns stored {stored} / accepted {accepted}, "
+          f"{writer.restarts}, turns stored {stored} / accepted {accepted} {by_route}, "
           f"statuses {dict(sorted(statuses.items()))}")
     assert not server_errors, server_errors[:5]
     assert writer.alive and writer.restarts == 0
     assert stored == accepted
+    assert all(by_route.values()), by_route  # both routes reached the engine
 
 
 def fuzz(operation: Any, url: str, headers: dict[str, str], statuses: Counter[int],
@@ -126,7 +141,7 @@ def fuzz(operation: Any, url: str, headers: dict[str, str], statuses: Counter[in
     strategy = st.one_of(operation.as_strategy(mode) for mode in (
         schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE))
 
-    examples = CHAT_EXAMPLES if operation.path == "/v1/chat/completions" else EXAMPLES
+    examples = CHAT_EXAMPLES if operation.path in TURN_ROUTES else EXAMPLES
 
     @settings(max_examples=examples, deadline=None, database=None, derandomize=True,
               suppress_health_check=list(HealthCheck))
@@ -141,18 +156,21 @@ def fuzz(operation: Any, url: str, headers: dict[str, str], statuses: Counter[in
     call()
 
 
-def statuses_for(app: FastAPI) -> int:
-    """Chat turns the proxy answered 200 (its own request counter)."""
-    total = 0.0
+def statuses_for(app: FastAPI) -> dict[str, int]:
+    """Chat and Responses requests the proxy answered 200 (its own request counter), by
+    route: each is a turn."""
+    totals = dict.fromkeys(TURN_ROUTES, 0)
     for metric in app.state.metrics.requests.collect():
         for sample in metric.samples:
-            if sample.name.endswith("_total") and sample.labels == {
-                    "route": "/v1/chat/completions", "status": "200"}:
-                total += sample.value
-    return int(total)
+            route = sample.labels.get("route", "")
+            if sample.name.endswith("_total") and sample.labels.get("status") == "200" \
+                    and route in totals:
+                totals[route] += int(sample.value)
+    return totals
 
 
 def test_openapi_is_served(threaded_proxy: tuple[str, FastAPI]) -> None:
     url, _ = threaded_proxy
     doc = httpx.get(f"{url}/openapi.json").json()
     assert "/v1/chat/completions" in doc["paths"] and "/admin/users" in doc["paths"]
+    assert "/v1/responses" in doc["paths"]
