@@ -127,7 +127,7 @@ def find_resume_point(db: Engine, weights_dir: Path) -> ResumePoint:
             shutil.rmtree(path)
     next_step = (last_step or 0) + 1
     for r in rows:
-        if r.status == "retired":
+        if r.status in ("retired", "rejected"):  # rolled back, or never served (the gate)
             continue
         path = version_dir(weights_dir, r.version)
         try:

@@ -35,7 +35,8 @@ class LoraSettings(BaseModel):
 # whoever built it (the tiny world's build writes one, clawrl/world/recipe.py):
 #     {"train": {setting: value, …},      what the trainer uses unless it was set
 #      "personal": {setting: value, …},   over "train", for personal mode's adapters
-#      "ptx_data": "ptx.jsonl"}           the corpus term's data, relative to the directory
+#      "ptx_data": "ptx.jsonl",           the corpus term's data, relative to the directory
+#      "gate_probe": "probe.jsonl"}       the gate's capability probe (trainer/gate.py)
 # The trainer reads it as data; it never imports whoever wrote it.
 RECIPE_FILE = "recipe.json"
 
@@ -49,8 +50,9 @@ def model_recipe(model_dir: Path, *, personal: bool = False) -> dict[str, object
     settings: dict[str, object] = dict(recipe.get("train", {}))
     if personal:
         settings |= recipe.get("personal", {})
-    if recipe.get("ptx_data"):  # used when ptx_coef > 0, from the recipe or set
-        settings["ptx_data"] = model_dir / recipe["ptx_data"]
+    for name in ("ptx_data", "gate_probe"):  # files beside the weights
+        if recipe.get(name):  # ptx_data is used when ptx_coef > 0, from the recipe or set
+            settings[name] = model_dir / recipe[name]
     return settings
 
 
@@ -138,6 +140,14 @@ class TrainerSettings(BaseModel):
     lora: LoraSettings = LoraSettings()
     # Keep optimizer state in only the newest K checkpoints (weights are kept until prune).
     keep_trainer_states: int = Field(default=2, ge=1)
+    # The gate before serving (trainer/gate.py): a JSONL probe of questions with accepted
+    # answers that every new version answers before it is published; rejected when its score
+    # falls more than `gate_max_drop` (a fraction of the questions) below the base model's.
+    # A rejection sends the trainer back to the served version with its learning rate times
+    # `gate_backoff`. None: no gate (a model's recipe.json may name its probe).
+    gate_probe: Path | None = None
+    gate_max_drop: float = Field(default=0.05, ge=0, le=1)
+    gate_backoff: float = Field(default=0.5, gt=0, le=1)
     # Personal mode (docs/trainer.md, "Personal adapters"): one LoRA adapter per user, trained
     # on that user's samples only and served to that user; the shared model is not trained.
     # Needs the torch backend; `lora` sets the adapters' rank and target modules.

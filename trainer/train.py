@@ -31,7 +31,8 @@ from typing import Any
 
 import httpx
 from pydantic import ValidationError
-from sqlalchemy import func, select, update
+from sqlalchemy import bindparam, func, select, update
+from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import OperationalError
 
@@ -47,6 +48,7 @@ from trainer.checkpoint import (
 from trainer.config import Settings, TrainerSettings, load_settings, model_recipe
 from trainer.data import VERSIONS, Claim, claim_batch, record_step, replay_of
 from trainer.export import CheckpointError, version_dir
+from trainer.gate import Gate, GateResult, load_probe
 from trainer.metrics import TrainerMetrics
 from trainer.publish import PublishError, engine_client, publish_version, serving_version
 
@@ -156,6 +158,65 @@ def progress_line(step: int, stats: StepStats, row: dict[str, Any], published: s
             f"{row['staleness_mean']:.1f} ({skipped} skipped) | {published}")
 
 
+def open_gate(cfg: TrainerSettings, base_dir: Path, backend: Backend) -> Gate | None:
+    """The gate (trainer/gate.py) with the base model's score, or None without a probe."""
+    if cfg.gate_probe is None:
+        return None
+    if not hasattr(backend, "model"):
+        log.warning("the gate needs the torch backend; versions are published unchecked",
+                    extra={"action": "gate_unavailable"})
+        return None
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(base_dir))
+    gate = Gate(load_probe(cfg.gate_probe), cfg.gate_max_drop, tokenizer)
+    base = AutoModelForCausalLM.from_pretrained(str(base_dir))
+    score = gate.measure_base(base)
+    del base
+    log.info("gate: the base model answers %.2f of %d probe questions; a version more than "
+             "%.2f below is not served", score, len(gate.items), cfg.gate_max_drop,
+             extra={"action": "gate_base"})
+    return gate
+
+
+def backend_model(backend: Backend) -> Any:
+    return backend.model  # type: ignore[attr-defined]  # torch only (open_gate checks)
+
+
+def version_path(weights_dir: Path, version: int) -> Path | None:
+    return version_dir(weights_dir, version) if version > 0 else None
+
+
+def back_off(backend: Backend, base_dir: Path, served: Path | None, times: int) -> float:
+    """Back to the served version's weights (None: the base) with the learning rate times
+    `gate_backoff` per rejection; returns the new learning rate."""
+    cfg: TrainerSettings = backend.cfg  # type: ignore[attr-defined]
+    factor = cfg.gate_backoff ** times
+    update = {"lr": cfg.lr * factor}
+    if cfg.adapter_lr is not None:
+        update["adapter_lr"] = cfg.adapter_lr * factor
+    backend.cfg = cfg.model_copy(update=update)  # type: ignore[attr-defined]
+    load_checkpoint(backend, backend.cfg, base_dir, served)  # type: ignore[attr-defined]
+    return float(backend.lr)  # type: ignore[attr-defined]
+
+
+def record_gate(db: Engine, version: int, result: GateResult) -> None:
+    """The gate's figures on the version's row; 'rejected' when it failed."""
+    gate = bindparam("gate", {"gate": result.as_stats()}, type_=JSONB)
+    values: dict[str, Any] = {"stats": VERSIONS.c.stats.op("||")(gate)}
+    if not result.passed:
+        values["status"] = "rejected"
+    with db.begin() as conn:
+        conn.execute(update(VERSIONS).where(VERSIONS.c.version == version).values(**values))
+
+
+def rejections_since(db: Engine, version: int) -> int:
+    """Versions rejected by the gate after `version` (the served one)."""
+    with db.connect() as conn:
+        return int(conn.execute(select(func.count()).where(
+            VERSIONS.c.version > version, VERSIONS.c.status == "rejected")).scalar() or 0)
+
+
 def train(settings: Settings, *, max_steps: int | None = None, once: bool = False,
           should_stop: StopFlag | None = None, backend: Backend | None = None) -> int:
     """The trainer loop (see the module docstring). Returns the number of ok steps."""
@@ -174,10 +235,14 @@ def train(settings: Settings, *, max_steps: int | None = None, once: bool = Fals
     log.info("resuming at v%d, next step %d", current, point.next_step,
              extra={"action": "resume"})
     ensure_serving(db, settings.engine, cfg, current, weights_dir, metrics)
+    gate = open_gate(cfg, base_dir, backend)
+    rejected = rejections_since(db, current)
+    if gate is not None and rejected:  # the back-off outlives a restart
+        back_off(backend, base_dir, version_path(weights_dir, current), rejected)
 
     try:
         return run_steps(settings, db, backend, metrics, point.version, point.next_step,
-                         max_steps=max_steps, once=once, stop=stop)
+                         max_steps=max_steps, once=once, stop=stop, gate=gate)
     finally:
         db.dispose()
         close = getattr(backend, "close", None)  # megatron: release follower ranks
@@ -187,7 +252,7 @@ def train(settings: Settings, *, max_steps: int | None = None, once: bool = Fals
 
 def run_steps(settings: Settings, db: Engine, backend: Backend, metrics: TrainerMetrics,
               current: int, step: int, *, max_steps: int | None, once: bool,
-              stop: StopFlag) -> int:
+              stop: StopFlag, gate: Gate | None = None) -> int:
     """Claim → train → save → commit → publish, until stopped. Returns the ok step count."""
     cfg, ok_steps = settings.trainer, 0
     base_dir, weights_dir = settings.model_dir(), settings.weights_dir()
@@ -228,7 +293,25 @@ def run_steps(settings: Settings, db: Engine, backend: Backend, metrics: Trainer
             raise
         metrics.record_step(step, stats, step_row["reward_mean"], step_row["staleness_mean"],
                             dict(skipped))
-        # 5. publish
+        # 5. the gate: a version that lost what the model knew is never served
+        if path is not None and gate is not None:
+            result = gate.check(backend_model(backend))
+            record_gate(db, step, result)
+            if not result.passed:
+                lr = back_off(backend, base_dir, version_path(weights_dir, current), 1)
+                log.warning("v%d rejected by the gate: probe %.2f -> %.2f (max drop %.2f); "
+                            "back to v%d at lr %g", step, result.base, result.candidate,
+                            result.max_drop, current, lr, extra={"action": "gate_rejected"})
+                metrics.write()
+                print(progress_line(step, stats, step_row,
+                                    f"v{step} REJECTED by the gate (probe {result.base:.2f} -> "
+                                    f"{result.candidate:.2f}); back to v{current}, lr {lr:g}"),
+                      flush=True)
+                step += 1
+                if once:
+                    break
+                continue
+        # 6. publish
         if path is not None:
             current = step
             published = publish(db, settings.engine, cfg, step, path, metrics)

@@ -81,6 +81,9 @@ def rollback(db: Engine, engine: EngineSettings, weights_dir: Path, version: int
             row = conn.execute(select(PV.c.status).where(PV.c.version == version)).first()
         if row is None:
             raise VersionsError(f"no version {version} (see `clawrl versions list`)")
+        if row.status == "rejected":
+            raise VersionsError(f"v{version} was rejected by the gate before serving (it lost "
+                                "what the base model knew); roll back to another version")
         path = version_dir(weights_dir, version)
     try:
         # The base model is a plain Hugging Face folder: no completion marker to verify.
@@ -88,8 +91,9 @@ def rollback(db: Engine, engine: EngineSettings, weights_dir: Path, version: int
     except (CheckpointError, PublishError) as exc:
         raise VersionsError(f"rollback to v{version} refused, engine unchanged: {exc}") from exc
     with db.begin() as conn:
-        conn.execute(update(PV).where(PV.c.version > version, PV.c.status != "retired")
-                     .values(status="retired"))
+        conn.execute(update(PV).where(PV.c.version > version,
+                                      PV.c.status.not_in(("retired", "rejected")))
+                     .values(status="retired"))  # a rejected version keeps saying so
         conn.execute(update(PV).where(PV.c.version == version)
                      .values(status="published", published_at=func.now()))
     return info

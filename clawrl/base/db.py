@@ -318,7 +318,7 @@ class PolicyVersion(Base):
     version: Mapped[int] = mapped_column(Integer, primary_key=True)
     step: Mapped[int | None] = mapped_column(Integer)
     path: Mapped[str] = mapped_column(Text)
-    # 'saved', 'published', 'failed', 'retired'
+    # 'saved', 'published', 'failed', 'retired', 'rejected' (by the gate: never served)
     status: Mapped[str] = mapped_column(String(16))
     num_samples: Mapped[int] = mapped_column(Integer, server_default=text("0"))
     loss: Mapped[float | None] = mapped_column(Double)

@@ -84,6 +84,7 @@ def pull_model(name: str, out: Path, *, force: bool = False) -> Path:
     """
     if is_pulled(out) and not force:
         write_sampling(out, MODELS[name].sampling if name in MODELS else {})
+        write_gate_probe(out)
         return out
     src = gguf_path(name)
     if importlib.util.find_spec("gguf") is None:
@@ -98,6 +99,7 @@ def pull_model(name: str, out: Path, *, force: bool = False) -> Path:
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
     write_sampling(tmp, MODELS[name].sampling)
+    write_gate_probe(tmp)
     (tmp / DONE_MARKER).write_text(f"{name} from {src.name}\n", encoding="utf-8")
     if is_pulled(out) and not force:
         # Another pull (a second `clawrl up`, a parallel test worker) finished first and may
@@ -122,6 +124,23 @@ def write_sampling(model_dir: Path, sampling: dict[str, float]) -> None:
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps({**config, **wanted}, indent=2) + "\n")
     tmp.replace(path)
+
+
+# Short factual questions with accepted answers, written for this purpose and never trained
+# on: the trainer's gate (trainer/gate.py) asks every new version them before it is served.
+GATE_PROBE = Path(__file__).parent / "probes" / "general-facts.jsonl"
+
+
+def write_gate_probe(model_dir: Path) -> None:
+    """Name the general-facts probe in the model's recipe.json (trainer/config.py), with a
+    copy beside the weights; a recipe the user wrote is left alone."""
+    recipe = model_dir / "recipe.json"
+    if recipe.is_file():
+        return
+    shutil.copyfile(GATE_PROBE, model_dir / "probe.jsonl")
+    tmp = recipe.with_name(f"recipe.json.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"gate_probe": "probe.jsonl"}, indent=1) + "\n")
+    tmp.replace(recipe)
 
 
 def clear_quantizer(model: Any) -> None:
@@ -154,6 +173,7 @@ def main(argv: list[str]) -> int:
     start = time.monotonic()
     try:
         if is_pulled(out) and not args.force:
+            pull_model(args.name, out)  # brings an earlier pull's settings up to date
             print(f"{args.name}: already at {out}")
             return 0
         pull_model(args.name, out, force=args.force)

@@ -89,7 +89,8 @@ async def rollback_confirm(request: Request, version: int) -> Response:
     session = require_session(request)
     async with request.app.state.db.connect() as conn:
         newer = (await conn.execute(text(
-            "SELECT count(*) FROM policy_versions WHERE version > :v AND status <> 'retired'"),
+            "SELECT count(*) FROM policy_versions WHERE version > :v "
+            "AND status NOT IN ('retired', 'rejected')"),
             {"v": version})).scalar_one()
         exists = version == 0 or (await conn.execute(text(
             "SELECT 1 FROM policy_versions WHERE version = :v"), {"v": version})).first()

@@ -170,7 +170,8 @@ async def get_turn(conn: AsyncConnection, turn_id: int) -> dict[str, Any] | None
 async def list_versions(conn: AsyncConnection) -> list[dict[str, Any]]:
     rows = (await conn.execute(text(
         "SELECT version, step, status, num_samples, loss, reward_mean, created_at, "
-        "published_at FROM policy_versions ORDER BY version DESC"))).mappings().all()
+        "published_at, stats -> 'gate' AS gate FROM policy_versions "
+        "ORDER BY version DESC"))).mappings().all()
     return [dict(r) for r in rows]
 
 

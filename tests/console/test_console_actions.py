@@ -110,6 +110,10 @@ async def test_rollback_through_the_real_engine(
                      " published_at) VALUES (1, 1, %s, 'published', 16, now() - interval '1 h'),"
                      " (2, 2, %s, 'published', 16, now())",
                      [str(version_dir(weights, 1)), str(version_dir(weights, 2))])
+        # A version the gate rejected (trainer/gate.py): shown with its probe, never served.
+        conn.execute("INSERT INTO policy_versions (version, step, path, status, stats) VALUES "
+                     "(3, 3, 'v3', 'rejected', '{\"gate\": {\"base\": 0.7, \"candidate\": "
+                     "0.4, \"passed\": false}}')")
 
     def serving() -> str | None:
         return httpx.get(f"{engine_url}/model_info").json().get("weight_version")
@@ -117,6 +121,9 @@ async def test_rollback_through_the_real_engine(
     async with console.signed_in() as client:
         page = (await client.get("/console/versions")).text
         assert 'href="/console/versions/1/rollback"' in page
+        assert re.search(r'data-version="3">.*?<td>rejected<br><span[^>]*>probe 0.70 → 0.40',
+                         page, re.S)
+        assert 'href="/console/versions/3/rollback"' not in page
         confirm = await client.get("/console/versions/1/rollback")
         assert "1 newer version will be marked retired" in confirm.text
         csrf = csrf_of(confirm.text)
@@ -131,6 +138,9 @@ async def test_rollback_through_the_real_engine(
         shutil.rmtree(version_dir(weights, 2))
         refused = await client.post("/console/versions/2/rollback", data={"csrf": csrf})
         assert "Rollback%20refused" in refused.headers["location"]
+        assert serving() == "1"
+        rejected = await client.post("/console/versions/3/rollback", data={"csrf": csrf})
+        assert "rejected%20by%20the%20gate" in rejected.headers["location"]
         assert serving() == "1"
         missing = await client.get("/console/versions/7/rollback")
         assert missing.status_code == 400

@@ -477,3 +477,20 @@ def test_megatron_tp2_is_refused_before_any_weight_is_read(smollm2_dir: Path) ->
             "tensor parallel size 2 does not divide the attention heads (9) of "
             "LlamaForCausalLM (model_type 'llama')")):
         check_supported(config, tp=2)
+
+
+def test_the_pulled_model_comes_with_its_sampling_and_its_gate(
+        smollm2_dir: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A GGUF carries no generation settings: the pull writes the model card's; and the
+    trainer's gate (trainer/gate.py) gets the general-facts probe from the model's recipe."""
+    from trainer.gate import load_probe
+    from trainer.train import build_parser, resolve_settings
+
+    generation = json.loads((smollm2_dir / "generation_config.json").read_text())
+    assert (generation["temperature"], generation["top_p"]) == (0.2, 0.9)
+    for name in [k for k in os.environ if k.startswith("CLAWRL_TRAINER__")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("CLAWRL_STATE_DIR", str(tmp_path))
+    got = resolve_settings(build_parser().parse_args(["--model", str(smollm2_dir)])).trainer
+    assert got.gate_probe == smollm2_dir / "probe.jsonl"
+    assert len(load_probe(got.gate_probe)) == 40 and got.gate_max_drop == 0.05
