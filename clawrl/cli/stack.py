@@ -314,10 +314,11 @@ async def demo_key(db_url: str, state_dir: Path) -> str:
     return key
 
 
-def engine_context(engine_url: str) -> int | None:
+def engine_context(engine_url: str, api_key: str) -> int | None:
     """The served model's context length in tokens, as the engine reports it."""
     try:
-        info = httpx.get(f"{engine_url}/model_info", timeout=10).json()
+        info = httpx.get(f"{engine_url}/model_info", timeout=10,
+                         headers={"Authorization": f"Bearer {api_key}"}).json()
         return int(info["context_length"])
     except (httpx.HTTPError, ValueError, KeyError, TypeError):
         return None
@@ -445,7 +446,7 @@ def run_children(args: argparse.Namespace, state_dir: Path, db_url: str) -> int:
             stack.start("train", ["train", "--model", str(model), "--engine-url", engine_url,
                                   *(["--personal"] if args.personal else [])])
         key = asyncio.run(demo_key(db_url, state_dir))
-        print_ready(f"{proxy_url}/v1", key, state_dir, model, engine_context(engine_url))
+        print_ready(f"{proxy_url}/v1", key, state_dir, model, engine_context(engine_url, engine_api_key))
         if args.exit_after_ready:
             time.sleep(1.0)  # let the workers get going, so an immediate crash shows
             dead = stack.dead()

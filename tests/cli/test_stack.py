@@ -152,6 +152,7 @@ def test_up_serves_and_stops_on_sigterm(state_dir: Path, tiny_model_dir: Path,
         key = re.search(r"API key\s+(ck-\S+)", out)
         base = re.search(r"base URL\s+(\S+)", out)
         assert key and base and base.group(1) == f"http://127.0.0.1:{port}/v1"
+        assert re.search(r"context\s+\d+ tokens per request", out)  # asked of the engine
         children = psutil.Process(up.pid).children(recursive=True)
         assert len(children) >= 3  # engine, proxy, judge (and their helpers)
         client = OpenAI(base_url=base.group(1), api_key=key.group(1), max_retries=0)

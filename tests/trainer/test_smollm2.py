@@ -141,17 +141,18 @@ def test_engine_serves_its_template_with_sense_ids_and_tools(
             return await check_engine(client, (*PROXY_NEEDS, *JUDGE_NEEDS, *TRAINER_NEEDS))
     assert asyncio.run(check()) is True
 
-    # SmolLM2-135M's template has no tool support: it renders `tools` nowhere (SGLang renders
-    # with the same template, so it behaves the same). A request with tools is served like
-    # one without: same prompt, same greedy answer, no tool calls.
+    # SmolLM2-135M's template has no tool support: it renders `tools` nowhere. The engine
+    # renders them itself (clawrl/engine/tools.py), so they are never silently dropped: the
+    # schema goes in a system message, in the Hermes format its reply parser reads.
+    from clawrl.engine.tools import render_tool_messages
+
     assert template_ids(tokenizer, FRANCE, tools=[WEATHER_TOOL]) == template_ids(tokenizer, FRANCE)
     with_tools = chat(url, FRANCE, temperature=0, max_tokens=20, tools=[WEATHER_TOOL])
     tool_choice = with_tools["choices"][0]
-    assert tool_choice["prompt_token_ids"] == choice["prompt_token_ids"]
-    assert tool_choice["message"]["content"] == answer
-    assert tool_choice["message"]["tool_calls"] is None
-    assert tool_choice["finish_reason"] == "stop"
-    # A history holding a tool call and its result renders (as plain turns) and is answered.
+    assert tool_choice["prompt_token_ids"] == template_ids(
+        tokenizer, render_tool_messages(FRANCE, [WEATHER_TOOL]))
+    assert '"name": "get_weather"' in tokenizer.decode(tool_choice["prompt_token_ids"])
+    # A history holding a tool call and its result renders as text and is answered.
     history = [*FRANCE,
                {"role": "assistant", "content": None, "tool_calls": [{
                    "id": "call_1", "type": "function",
@@ -159,8 +160,9 @@ def test_engine_serves_its_template_with_sense_ids_and_tools(
                {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 24 C"},
                {"role": "user", "content": "So, is it sunny there?"}]
     followed = chat(url, history, temperature=0, max_tokens=20, tools=[WEATHER_TOOL])
-    assert "<|im_start|>tool\nsunny, 24 C<|im_end|>" in tokenizer.decode(
-        followed["choices"][0]["prompt_token_ids"])
+    prompt = tokenizer.decode(followed["choices"][0]["prompt_token_ids"])
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}' in prompt
+    assert "<tool_response>\nsunny, 24 C\n</tool_response>" in prompt
     assert followed["choices"][0]["message"]["content"]
 
 
