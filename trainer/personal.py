@@ -48,12 +48,11 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.engine import Engine
 
 from clawrl.base.db import AdapterVersion, UserAdapter, create_engine
-from clawrl.base.engine_client import absent_adapter
+from clawrl.base.engine_client import absent_adapter, sync_client
 from clawrl.base.settings import EngineSettings
 from trainer.backends.torch import TorchBackend
 from trainer.config import Settings
 from trainer.data import STEPS, Claim, claim_batch, record_step, replay_of
-from trainer.publish import engine_client
 
 log = logging.getLogger("clawrl.trainer")
 ADAPTERS = cast(Table, AdapterVersion.__table__)
@@ -135,7 +134,7 @@ def next_step(db: Engine) -> int:
 # -- the engine's side --------------------------------------------------------------------
 def _lora_call(engine: EngineSettings, route: str, body: dict[str, Any],
                timeout_s: float = 120.0) -> dict[str, Any]:
-    with engine_client(engine, timeout_s) as client:
+    with sync_client(engine, timeout_s) as client:
         resp = client.post(route, json=body)
     try:
         answer: dict[str, Any] = resp.json()
@@ -165,7 +164,7 @@ def unload_adapter(engine: EngineSettings, name: str) -> bool:
 def engine_adapters(engine: EngineSettings) -> set[str]:
     """The adapters the engine lists (SGLang and `clawrl engine`: `/v1/models` entries with
     a `parent`)."""
-    with engine_client(engine, 10.0) as client:
+    with sync_client(engine, 10.0) as client:
         resp = client.get("/v1/models")
         resp.raise_for_status()
     return {m["id"] for m in resp.json().get("data", []) if m.get("parent")}

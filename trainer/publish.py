@@ -19,6 +19,7 @@ from typing import Any
 
 import httpx
 
+from clawrl.base.engine_client import sync_client
 from clawrl.base.settings import EngineSettings
 from trainer.export import verify_version
 
@@ -27,16 +28,6 @@ log = logging.getLogger("clawrl.trainer")
 
 class PublishError(Exception):
     """The engine did not end up serving the version (it keeps serving the old one)."""
-
-
-def engine_client(engine: EngineSettings, timeout_s: float,
-                  transport: httpx.BaseTransport | None = None) -> httpx.Client:
-    headers = {}
-    if engine.api_key is not None:
-        headers["Authorization"] = f"Bearer {engine.api_key.get_secret_value()}"
-    return httpx.Client(base_url=engine.url, headers=headers,
-                        timeout=httpx.Timeout(timeout_s, connect=engine.connect_timeout_s),
-                        transport=transport)
 
 
 def serving_version(client: httpx.Client) -> str | None:
@@ -87,7 +78,7 @@ def publish_version(
     label = str(version)
     last: Exception | None = None
     # `transport`: tests inject engine faults with httpx.MockTransport.
-    with engine_client(engine, timeout_s, transport) as client:
+    with sync_client(engine, timeout_s, transport) as client:
         for attempt in range(1, attempts + 1):
             try:
                 return _try_once(client, path, label)

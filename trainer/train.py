@@ -37,6 +37,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import OperationalError
 
 from clawrl.base.db import create_engine
+from clawrl.base.engine_client import sync_client
 from clawrl.base.settings import EngineSettings
 from trainer.backends.base import Backend, BackendError, StepStats, make_backend
 from trainer.checkpoint import (
@@ -50,7 +51,7 @@ from trainer.data import VERSIONS, Claim, claim_batch, record_step, replay_of
 from trainer.export import CheckpointError, version_dir
 from trainer.gate import Gate, GateResult, load_probe
 from trainer.metrics import TrainerMetrics
-from trainer.publish import PublishError, engine_client, publish_version, serving_version
+from trainer.publish import PublishError, publish_version, serving_version
 
 log = logging.getLogger("clawrl.trainer")
 # While no samples arrive, check this often that the engine still serves our version.
@@ -110,7 +111,7 @@ def ensure_serving(db: Engine, engine: EngineSettings, cfg: TrainerSettings, cur
         raise RolledBack(f"v{current} was retired by a rollback; restart the trainer to "
                          "continue from the rolled-back version")
     try:
-        with engine_client(engine, 10.0) as client:
+        with sync_client(engine, 10.0) as client:
             serving = serving_version(client)
     except httpx.HTTPError as exc:
         log.warning("engine unreachable: %s", exc, extra={"action": "engine_unreachable"})

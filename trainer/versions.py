@@ -31,10 +31,11 @@ from sqlalchemy import Table, func, select, update
 from sqlalchemy.engine import Engine
 
 from clawrl.base.db import PolicyVersion, create_engine
+from clawrl.base.engine_client import sync_client
 from clawrl.base.settings import EngineSettings
 from trainer.config import Settings, load_settings
 from trainer.export import CheckpointError, verify_version, version_dir
-from trainer.publish import PublishError, engine_client, publish_version, serving_version
+from trainer.publish import PublishError, publish_version, serving_version
 
 PV = cast(Table, PolicyVersion.__table__)
 
@@ -46,7 +47,7 @@ class VersionsError(Exception):
 def engine_serving(engine: EngineSettings) -> str | None:
     """The engine's current weight_version, or None when it cannot be asked."""
     try:
-        with engine_client(engine, 10.0) as client:
+        with sync_client(engine, 10.0) as client:
             return serving_version(client)
     except httpx.HTTPError:
         return None

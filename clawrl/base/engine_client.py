@@ -93,6 +93,21 @@ def _raise_for_status(response: httpx.Response) -> None:
     raise EngineServerError(message, status=status)
 
 
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    """The engine's key, as SGLang's `--api-key` (and `clawrl engine`) expect it."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def sync_client(engine: EngineSettings, timeout_s: float,
+                transport: httpx.BaseTransport | None = None) -> httpx.Client:
+    """A blocking client for processes that are not async (the trainer publishing a version,
+    `clawrl versions`): the same URL, key and connect timeout as `EngineClient`."""
+    key = engine.api_key.get_secret_value() if engine.api_key else None
+    return httpx.Client(base_url=engine.url, headers=auth_headers(key),
+                        timeout=httpx.Timeout(timeout_s, connect=engine.connect_timeout_s),
+                        transport=transport)
+
+
 class EngineClient:
     """One pooled `httpx.AsyncClient` to an engine base URL (no `/v1` suffix)."""
 
@@ -100,7 +115,7 @@ class EngineClient:
                  timeout: httpx.Timeout | float = 300.0,
                  transport: httpx.AsyncBaseTransport | None = None,
                  max_connections: int = 256) -> None:
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        headers = auth_headers(api_key)
         self.base_url = base_url.rstrip("/")
         self._http = httpx.AsyncClient(
             base_url=self.base_url, headers=headers, timeout=timeout, transport=transport,
