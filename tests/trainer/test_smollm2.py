@@ -42,7 +42,6 @@ from sqlalchemy.engine import Engine
 from clawrl.base.db import PolicyVersion, TrainingStep
 
 REPO = Path(__file__).resolve().parents[2]
-CACHE = REPO / ".clawrl" / "test-cache" / "smollm2-135m"
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city today.",
@@ -60,14 +59,6 @@ def clawrl(*args: str, timeout: float = 600, **env: str) -> subprocess.Completed
     return subprocess.run([sys.executable, "-m", "clawrl.cli.main", *args], capture_output=True,
                           text=True, timeout=timeout, cwd=REPO, env={**os.environ, **env},
                           stdin=subprocess.DEVNULL)
-
-
-@pytest.fixture(scope="session")
-def smollm2_dir() -> Path:
-    """The pulled checkpoint: made once (~25 s), then reused by every run."""
-    done = clawrl("models", "pull", "smollm2-135m", "--out", str(CACHE))
-    assert done.returncode == 0, done.stderr
-    return CACHE
 
 
 @pytest.fixture(scope="session")
