@@ -67,14 +67,19 @@ from clawrl.base.db import ChatSession, Turn
 from clawrl.base.jobs import OUTCOME_ONLY, enqueue_stmt, notify_stmt
 from proxy.openai_types import loads_bounded
 from proxy.records import TurnRecord
-from proxy.turnkinds import message_text, opening_index, opening_message, side_call_rule
+from proxy.turnkinds import (
+    SYSTEM_ROLES,
+    message_text,
+    opening_index,
+    opening_message,
+    side_call_rule,
+)
 
 _OPEN, _CLOSE = "<think>", "</think>"
 # A timestamp envelope an agent puts before each user message ("[Mon 2026-12-07 01:34 UTC] "),
 # which a model may copy at the start of its reply and the agent strips before replaying it.
 _ENVELOPE = re.compile(r"^\[(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun) \d{4}-\d{2}-\d{2} \d{2}:\d{2}"
                        r"(?::\d{2})? [A-Z][A-Za-z+\-0-9]{1,8}\]\s*")
-_SYSTEM_ROLES = frozenset({"system", "developer"})
 _SEP = b"\x1e"  # record separator between canonical messages in the hash stream
 
 # Explicit `X-Session-Id`s map to stable session UUIDs, so the proxy can answer
@@ -127,14 +132,14 @@ def canonical_message(message: dict[str, Any]) -> bytes:
 
 
 def _included(message: dict[str, Any], include_system: bool) -> bool:
-    return include_system or message.get("role") not in _SYSTEM_ROLES
+    return include_system or message.get("role") not in SYSTEM_ROLES
 
 
 def conversation_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]] | None:
     """The request without the context appended after its opening message (the trailing
     non-assistant messages past the first), or None when nothing follows it."""
     i = opening_index(messages)
-    if i is None or not any(m.get("role") not in _SYSTEM_ROLES for m in messages[i + 1:]):
+    if i is None or not any(m.get("role") not in SYSTEM_ROLES for m in messages[i + 1:]):
         return None
     return list(messages[:i + 1])
 

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 Messages = Sequence[dict[str, Any]]
-_SYSTEM_ROLES = frozenset({"system", "developer"})
+SYSTEM_ROLES = frozenset({"system", "developer"})
 
 
 def message_text(message: dict[str, Any]) -> str:
@@ -52,7 +52,7 @@ def opening_index(messages: Sequence[dict[str, Any]]) -> int | None:
             start = i + 1
             break
     for i in range(start, len(messages)):
-        if messages[i].get("role") not in _SYSTEM_ROLES:
+        if messages[i].get("role") not in SYSTEM_ROLES:
             return i
     return None
 
@@ -80,21 +80,18 @@ _TITLE = re.compile(r"\b(?:generate|create|write|suggest|give)\b[^.\n]{0,60}\bti
                     r"\b(?:conversation|chat(?:\s+history)?|thread|dialog(?:ue)?)\b", re.I)
 
 
-
-def _system_text(messages: Messages) -> str:
-    return "\n".join(message_text(m) for m in messages
-                     if m.get("role") in ("system", "developer"))
-
-
-def _silent_poll(messages: Messages, tools: Any) -> bool:
-    text = message_text(opening_message(messages) or {})
-    return bool(_SENTINEL.search(text) or _HEARTBEAT_MARK.search(text))
+# Each rule reads the text of the message that opened the request, the system messages'
+# text, and the tools offered.
+def _silent_poll(opening: str, system: str, tools: Any) -> bool:
+    return bool(_SENTINEL.search(opening) or _HEARTBEAT_MARK.search(opening))
 
 
-def _summary(messages: Messages, tools: Any) -> bool:
-    opening = message_text(opening_message(messages) or {})
-    return bool(_SUMMARISER.search(_system_text(messages)) and not tools
-                and _TRANSCRIPT.search(opening))
+def _summary(opening: str, system: str, tools: Any) -> bool:
+    return bool(not tools and _SUMMARISER.search(system) and _TRANSCRIPT.search(opening))
+
+
+def _title(opening: str, system: str, tools: Any) -> bool:
+    return not tools and bool(_TITLE.search(opening) or _TITLE.search(system))
 
 
 # A chat front end's own task over the chat so far (Open WebUI's "### Task:" prompts for
@@ -102,17 +99,12 @@ def _summary(messages: Messages, tools: Any) -> bool:
 _APP_TASK = re.compile(r"^\s*#+\s*Task:.*<chat_history>", re.I | re.S)
 
 
-def _app_task(messages: Messages, tools: Any) -> bool:
-    return not tools and bool(_APP_TASK.search(message_text(opening_message(messages) or {})))
-
-
-def _title(messages: Messages, tools: Any) -> bool:
-    opening = message_text(opening_message(messages) or {})
-    return not tools and bool(_TITLE.search(opening) or _TITLE.search(_system_text(messages)))
+def _app_task(opening: str, system: str, tools: Any) -> bool:
+    return not tools and bool(_APP_TASK.search(opening))
 
 
 # name -> rule, tried in order; the first that matches names the side call.
-RULES: dict[str, Callable[[Messages, Any], bool]] = {
+RULES: dict[str, Callable[[str, str, Any], bool]] = {
     "silent_poll": _silent_poll,
     "summary": _summary,
     "title": _title,
@@ -122,7 +114,9 @@ RULES: dict[str, Callable[[Messages, Any], bool]] = {
 
 def side_call_rule(messages: Messages, tools: Any) -> str | None:
     """The name of the first rule that marks this request a side call, or None."""
+    opening = message_text(opening_message(messages) or {})
+    system = "\n".join(message_text(m) for m in messages if m.get("role") in SYSTEM_ROLES)
     for name, rule in RULES.items():
-        if rule(messages, tools):
+        if rule(opening, system, tools):
             return name
     return None
