@@ -159,8 +159,11 @@ def progress_line(step: int, stats: StepStats, row: dict[str, Any], published: s
             f"{row['staleness_mean']:.1f} ({skipped} skipped) | {published}")
 
 
-def open_gate(cfg: TrainerSettings, base_dir: Path, backend: Backend) -> Gate | None:
-    """The gate (trainer/gate.py) with the base model's score, or None without a probe."""
+def open_gate(cfg: TrainerSettings, base_dir: Path, backend: Backend,
+              at_base: bool) -> Gate | None:
+    """The gate (trainer/gate.py) with the base model's score, or None without a probe.
+    `at_base`: the backend holds the base model (nothing trained yet; fresh LoRA adapters
+    change nothing), so it is measured as it is rather than loaded a second time."""
     if cfg.gate_probe is None:
         return None
     if not hasattr(backend, "model"):
@@ -171,9 +174,12 @@ def open_gate(cfg: TrainerSettings, base_dir: Path, backend: Backend) -> Gate | 
 
     tokenizer = AutoTokenizer.from_pretrained(str(base_dir))
     gate = Gate(load_probe(cfg.gate_probe), cfg.gate_max_drop, tokenizer)
-    base = AutoModelForCausalLM.from_pretrained(str(base_dir))
-    score = gate.measure_base(base)
-    del base
+    if at_base:
+        score = gate.measure_base(backend_model(backend))
+    else:
+        base = AutoModelForCausalLM.from_pretrained(str(base_dir))
+        score = gate.measure_base(base)
+        del base
     log.info("gate: the base model answers %.2f of %d probe questions; a version more than "
              "%.2f below is not served", score, len(gate.items), cfg.gate_max_drop,
              extra={"action": "gate_base"})
@@ -236,7 +242,7 @@ def train(settings: Settings, *, max_steps: int | None = None, once: bool = Fals
     log.info("resuming at v%d, next step %d", current, point.next_step,
              extra={"action": "resume"})
     ensure_serving(db, settings.engine, cfg, current, weights_dir, metrics)
-    gate = open_gate(cfg, base_dir, backend)
+    gate = open_gate(cfg, base_dir, backend, at_base=point.path is None)
     rejected = rejections_since(db, current)
     if gate is not None and rejected:  # the back-off outlives a restart
         back_off(backend, base_dir, version_path(weights_dir, current), rejected)

@@ -121,9 +121,7 @@ def write_sampling(model_dir: Path, sampling: dict[str, float]) -> None:
     wanted = {**sampling, "do_sample": True} if sampling else {}
     if all(config.get(k) == v for k, v in wanted.items()):
         return
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({**config, **wanted}, indent=2) + "\n")
-    tmp.replace(path)
+    write_json(path, {**config, **wanted})
 
 
 # Short factual questions with accepted answers, written for this purpose and never trained
@@ -138,9 +136,15 @@ def write_gate_probe(model_dir: Path) -> None:
     if recipe.is_file():
         return
     shutil.copyfile(GATE_PROBE, model_dir / "probe.jsonl")
-    tmp = recipe.with_name(f"recipe.json.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"gate_probe": "probe.jsonl"}, indent=1) + "\n")
-    tmp.replace(recipe)
+    write_json(recipe, {"gate_probe": "probe.jsonl"})
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    """Written under a temporary name and renamed into place: a concurrent pull of the same
+    folder reads the old file or the new one, never half of it."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    tmp.replace(path)
 
 
 def clear_quantizer(model: Any) -> None:
