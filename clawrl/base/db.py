@@ -82,6 +82,8 @@ class ApiKey(Base):
     # flight at once, and prompt + completion tokens per minute.
     max_concurrent: Mapped[int | None] = mapped_column(Integer)
     rate_limit_tpm: Mapped[int | None] = mapped_column(Integer)
+    # What the key may do beyond chatting: 'verifier' sets session outcomes (migration 0011).
+    scopes: Mapped[list[str]] = mapped_column(ARRAY(Text), server_default=text("'{}'::text[]"))
     created_at: Mapped[dt.datetime] = _now()
     revoked_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
     last_used_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
@@ -140,6 +142,9 @@ class Turn(Base):
     request_messages: Mapped[Any] = mapped_column(JSONB)
     tools: Mapped[Any | None] = mapped_column(JSONB)
     params: Mapped[Any] = mapped_column(JSONB, server_default=text("'{}'::jsonb"))
+    # The sampling distribution the reply was drawn from, as the engine applied it
+    # (the request's parameters over the model's defaults); NULL on turns before 0011.
+    sampling: Mapped[Any | None] = mapped_column(JSONB)
     response_message: Mapped[Any | None] = mapped_column(JSONB)
     prompt_ids: Mapped[list[int] | None] = mapped_column(IntArray)
     response_ids: Mapped[list[int] | None] = mapped_column(IntArray)
@@ -222,6 +227,8 @@ class Job(Base):
     kind: Mapped[str] = mapped_column(String(32))
     turn_id: Mapped[int | None] = mapped_column(
         ForeignKey("turns.id", ondelete="CASCADE"), index=True)
+    # Whose turn the job serves (claims are fair across users); NULL: no user.
+    user_id: Mapped[int | None] = mapped_column(ForeignKey("users.id", ondelete="CASCADE"))
     payload: Mapped[Any] = mapped_column(JSONB, server_default=text("'{}'::jsonb"))
     status: Mapped[str] = mapped_column(String(16), server_default=text("'queued'"))
     attempts: Mapped[int] = mapped_column(Integer, server_default=text("0"))
@@ -308,6 +315,18 @@ class TrainingStep(Base):
     created_at: Mapped[dt.datetime] = _now()
     # Personal mode: the user whose adapter this step trained; NULL: the shared model.
     user_id: Mapped[int | None] = mapped_column(ForeignKey("users.id", ondelete="CASCADE"))
+
+
+class ConsoleSession(Base):
+    """A signed-in console session: only sha256 of its cookie is stored, so signing out
+    holds in every proxy process and across restarts."""
+
+    __tablename__ = "console_sessions"
+
+    token_hash: Mapped[str] = mapped_column(Text, primary_key=True)
+    created_at: Mapped[dt.datetime] = _now()
+    expires_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))
+    revoked_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
 
 
 class PolicyVersion(Base):
