@@ -46,8 +46,10 @@ from pathlib import Path
 from typing import Any
 
 from clawrl.base.signals import sigterm_as_interrupt
+from clawrl.eval.attack import attack_summary
 from clawrl.eval.config import (
     ALL_METHODS,
+    ATTACK_METHODS,
     METHODS,
     PERSONAL,
     PERSONAL_PREFS,
@@ -90,6 +92,10 @@ def parse_args(argv: list[str]) -> EvalConfig:
     p.add_argument("--personal", action="store_true",
                    help="users with conflicting preferences: the shared model (combine) "
                         "against one LoRA adapter per user (personal) and no training")
+    p.add_argument("--attack", action="store_true",
+                   help="honest users (--prefs) beside one adversary who uses every lever a "
+                        "user key has to teach everyone garbled text; the product as it ships "
+                        "(defended) against its defences off (undefended); default 10 rounds")
     p.add_argument("--users-per-pref", type=int, default=1)
     p.add_argument("--rounds", type=int, default=None,
                    help="rounds of chat -> train -> probe (default 8)")
@@ -170,6 +176,12 @@ def parse_args(argv: list[str]) -> EvalConfig:
         raise SystemExit("clawrl eval: --probe-split is for --track toolcall")
     if toolcall and args.proxy_url:
         raise SystemExit("clawrl eval: --track toolcall starts its own stacks (no --proxy-url)")
+    if args.attack and (toolcall or args.personal or args.proxy_url or args.methods):
+        raise SystemExit("clawrl eval: --attack runs its own two methods (defended, "
+                         "undefended) on stacks of its own, on the chat track")
+    if args.attack:
+        args.methods = ",".join(ATTACK_METHODS)
+        args.rounds = 10 if args.rounds is None else args.rounds
     if args.methods is None:
         args.methods = (",".join(TOOLCALL_METHODS) if toolcall else
                         "combine,none" if args.small else
@@ -187,7 +199,7 @@ def parse_args(argv: list[str]) -> EvalConfig:
         args.batch_size = SMALL_BATCH if args.small else EvalConfig.batch_size
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
     prefs = tuple(x.strip() for x in args.prefs.split(",") if x.strip())
-    known = TOOLCALL_METHODS if toolcall else ALL_METHODS
+    known = TOOLCALL_METHODS if toolcall else ATTACK_METHODS if args.attack else ALL_METHODS
     bad = [m for m in methods if m not in known] + [x for x in prefs if x not in PREFERENCES]
     if bad or not methods or not prefs:
         raise SystemExit(f"clawrl eval: unknown or missing method/preference: {bad or 'none'}")
@@ -235,7 +247,8 @@ def parse_args(argv: list[str]) -> EvalConfig:
                       keep_db=args.keep_db, followups=args.followups,
                       engine_url=args.engine_url, judge_engine=args.judge_engine,
                       judge_state_dir=state,
-                      extra_env={"SMALL": "1"} if args.small else {}, track=args.track)
+                      extra_env={"SMALL": "1"} if args.small else {}, track=args.track,
+                      attack=args.attack)
 
 
 def main(argv: list[str]) -> int:
@@ -306,6 +319,8 @@ def run_eval(config: EvalConfig) -> int:
         return 130
     print(print_table(rows))
     print("\n" + print_targets(targets(rows)))
+    if config.attack:
+        print("\n" + attack_summary(rows))
     print(f"\nresults: {config.out / 'results.json'}  curve: {config.out / 'curve.png'}  "
           f"({(time.monotonic() - started) / 60:.1f} min)")
     return 0
@@ -320,5 +335,6 @@ def _write(config: EvalConfig, rows: list[dict[str, Any]], started: float) -> No
          "targets": targets(rows), "probes": rows}, indent=1, default=str))
     if rows:
         plot_curve(rows, config.out / "curve.png")
+        summary = f"\n\n{attack_summary(rows)}" if config.attack else ""
         (config.out / "table.txt").write_text(
-            f"{print_table(rows)}\n\n{print_targets(targets(rows))}\n")
+            f"{print_table(rows)}\n\n{print_targets(targets(rows))}{summary}\n")

@@ -20,6 +20,10 @@ PERSONAL_PREFS = ("lowercase", "uppercase")
 TRACKS = ("chat", "toolcall")
 TRACK_METHODS = {"outcome+process": 0.5, "outcome": 1.0, "process": 0.0}
 TOOLCALL_METHODS = (*TRACK_METHODS, "none")
+# `--attack`: the product as it ships, and with its defences against one user off.
+ATTACK_METHODS = ("defended", "undefended")
+# The trainer's settings that bound one user's influence, turned off for `undefended`.
+UNDEFENDED_TRAINER: dict[str, str] = {}
 # The tool-call track trains as `clawrl up` trains the tool-call model (trainer/config.py
 # TOOLS_RECIPE): its learning rate and the batch-mean baseline.
 TOOLCALL_LR = float(TOOLS_RECIPE["lr"])
@@ -119,12 +123,17 @@ class EvalConfig:
     extra_env: dict[str, str] = field(default_factory=dict)
     # `chat`: simulated people; `toolcall`: an agent on the tool-call track.
     track: str = "chat"
+    # `--attack` (clawrl/eval/attack.py): the honest users beside one adversary, with the
+    # product's defences (`defended`) and without them (`undefended`).
+    attack: bool = False
 
 
 def trainer_method(method: str) -> str:
     """The trainer's `--method` for an eval method (`personal` trains with `combine`, the
     agent track's methods with `rl`)."""
-    return "combine" if method == PERSONAL else "rl" if method in TRACK_METHODS else method
+    if method == PERSONAL or method in ATTACK_METHODS:
+        return "combine"
+    return "rl" if method in TRACK_METHODS else method
 
 
 def method_recipe(config: EvalConfig, method: str) -> dict[str, float]:
@@ -169,6 +178,10 @@ def stack_env(config: EvalConfig, method: str) -> dict[str, str]:
         # follows at the episode's end: hold samples until then.
         env["CLAWRL_TRAINER__OUTCOME_WAIT_S"] = "120"
         env["CLAWRL_JUDGE__CONCURRENCY"] = str(config.parallel * 2)
+    if method == "undefended":
+        env.update(UNDEFENDED_TRAINER)
+    if config.attack:  # the adversary's conversations are judged beside the honest ones
+        env["CLAWRL_JUDGE__CONCURRENCY"] = str(int(env["CLAWRL_JUDGE__CONCURRENCY"]) * 2)
     if method == PERSONAL:
         env["CLAWRL_TRAINER__PERSONAL"] = "true"
         env["CLAWRL_TRAINER__ADAPTER_LR"] = str(config.adapter_lr)

@@ -19,6 +19,7 @@ from typing import Any
 from clawrl.cli.ports import free_port
 from clawrl.cli.stack import HOST, Stack, StackError, judge_engine_env, wait_healthy
 from clawrl.eval.agents import run_agent_rounds
+from clawrl.eval.attack import run_attack_rounds
 from clawrl.eval.config import EvalConfig, stack_env, trainer_method
 from clawrl.eval.rounds import run_rounds
 
@@ -107,7 +108,8 @@ def run_method(config: EvalConfig, method: str,
             stack.start("train", ["train", "--model", str(config.model.resolve()),
                                   "--engine-url", engine_url, "--method", trainer_method(method),
                                   "--weights-dir", str(state / "weights")])
-        rounds = run_agent_rounds if config.track == "toolcall" else run_rounds
+        rounds = (run_agent_rounds if config.track == "toolcall" else
+                  run_attack_rounds if config.attack else run_rounds)
         asyncio.run(_guarded(stack, rounds(config, method, proxy_url, db_url, engine_url,
                                            on_round)))
     finally:
