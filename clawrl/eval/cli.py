@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from clawrl.base.signals import sigterm_as_interrupt
+from clawrl.cli.stack import is_model_name
 from clawrl.eval.attack import attack_summary
 from clawrl.eval.config import (
     ALL_METHODS,
@@ -62,10 +63,21 @@ from clawrl.eval.config import (
     EvalConfig,
     method_recipe,
 )
+from clawrl.eval.everyday import EVERYDAY_BATCH
+from clawrl.eval.everyday import PREFS as EVERYDAY_PREFS
 from clawrl.eval.report import plot_curve, print_table, print_targets, targets
 from clawrl.world.recipe import PERSONAL_RECIPE, TINYWORLD_RECIPE
 from clawrl.world.simulate import phrasings
 from clawrl.world.town import PREFERENCES
+
+
+def is_real_model(model: Path) -> bool:
+    """`--model smollm2-135m` (a name `clawrl models pull` makes, no folder here) or a model
+    folder that is not a tiny world build: people asking everyday questions
+    (clawrl/eval/everyday.py) instead of the tiny world's users."""
+    if is_model_name(model):
+        return True
+    return (model / "config.json").is_file() and not (model / "tinyworld.json").is_file()
 
 
 def parse_args(argv: list[str]) -> EvalConfig:
@@ -168,11 +180,27 @@ def parse_args(argv: list[str]) -> EvalConfig:
     if toolcall and (args.small or args.personal or args.prefs or args.followups):
         raise SystemExit("clawrl eval: --track toolcall takes none of --small, --personal, "
                          "--prefs, --followups")
+    everyday = args.model is not None and is_real_model(args.model)
+    extra_env: dict[str, str] = {}
+    if everyday:
+        if toolcall or args.small or args.personal or args.attack or args.followups:
+            raise SystemExit("clawrl eval: a real model (--model NAME) takes none of --track "
+                             "toolcall, --small, --personal, --attack, --followups")
+        # The model's own recipe, except what the command line says.
+        for flag, name in (("lr", "LR"), ("kl_coef", "KL_COEF"), ("ptx_coef", "PTX_COEF"),
+                           ("reward_baseline", "REWARD_BASELINE")):
+            if getattr(args, flag) is not None:
+                extra_env[f"CLAWRL_TRAINER__{name}"] = str(getattr(args, flag))
+        args.methods = args.methods or "combine,none"
+        args.prefs = args.prefs or ",".join(EVERYDAY_PREFS)
+        args.rounds = 10 if args.rounds is None else args.rounds
+        args.batch_size = args.batch_size or EVERYDAY_BATCH
+        args.followups = "people"
     if args.lr is None:
         args.lr = TOOLCALL_LR if toolcall else EvalConfig.lr
     if args.reward_baseline is None and toolcall:
         args.reward_baseline = TOOLCALL_BASELINE
-    if not toolcall and args.probe_split != "heldout":
+    if not (toolcall or everyday) and args.probe_split != "heldout":
         raise SystemExit("clawrl eval: --probe-split is for --track toolcall")
     if toolcall and args.proxy_url:
         raise SystemExit("clawrl eval: --track toolcall starts its own stacks (no --proxy-url)")
@@ -200,11 +228,12 @@ def parse_args(argv: list[str]) -> EvalConfig:
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
     prefs = tuple(x.strip() for x in args.prefs.split(",") if x.strip())
     known = TOOLCALL_METHODS if toolcall else ATTACK_METHODS if args.attack else ALL_METHODS
-    bad = [m for m in methods if m not in known] + [x for x in prefs if x not in PREFERENCES]
+    bad = [m for m in methods if m not in known] + [
+        x for x in prefs if x not in (EVERYDAY_PREFS if everyday else PREFERENCES)]
     if bad or not methods or not prefs:
         raise SystemExit(f"clawrl eval: unknown or missing method/preference: {bad or 'none'}")
     says = phrasings(args.followups)
-    for pref in prefs:
+    for pref in () if everyday else prefs:
         try:
             says.correction(pref, random.Random(0))
         except (ValueError, KeyError):
@@ -229,6 +258,8 @@ def parse_args(argv: list[str]) -> EvalConfig:
     if min(args.kl_coef or 0, args.ptx_coef or 0, args.replay_coef) < 0:
         raise SystemExit("clawrl eval: --kl-coef, --ptx-coef and --replay-coef must be >= 0")
     state = load_settings().state_dir
+    if everyday and is_model_name(args.model):
+        args.model = state / "models" / str(args.model)
     model = args.model or state / "models" / ("tinyworld-tools" if toolcall else
                                               "tinyworld-ci" if args.small else "tinyworld")
     out = args.out or Path("runs") / time.strftime("eval-%Y%m%d-%H%M%S")
@@ -247,12 +278,12 @@ def parse_args(argv: list[str]) -> EvalConfig:
                       keep_db=args.keep_db, followups=args.followups,
                       engine_url=args.engine_url, judge_engine=args.judge_engine,
                       judge_state_dir=state,
-                      extra_env={"SMALL": "1"} if args.small else {}, track=args.track,
-                      attack=args.attack)
+                      extra_env={"SMALL": "1"} if args.small else extra_env,
+                      track=args.track, attack=args.attack, everyday=everyday)
 
 
 def main(argv: list[str]) -> int:
-    from clawrl.eval.stack import ensure_model
+    from clawrl.eval.stack import StackError, ensure_model
 
     try:
         config = parse_args(argv)
@@ -264,8 +295,9 @@ def main(argv: list[str]) -> int:
     config.out.mkdir(parents=True, exist_ok=True)
     try:
         ensure_model(config.model, small=bool(config.extra_env.pop("SMALL", "")),
-                     tools=config.track == "toolcall", default=config.default_model)
-    except (OSError, RuntimeError) as exc:
+                     tools=config.track == "toolcall", default=config.default_model,
+                     everyday=config.everyday)
+    except (OSError, RuntimeError, StackError) as exc:
         print(f"clawrl eval: cannot build the model at {config.model}: {exc}", file=sys.stderr)
         return 1
     # SIGTERM stops like Ctrl-C: the current stack is shut down and partial results written.

@@ -126,6 +126,10 @@ class EvalConfig:
     # `--attack` (clawrl/eval/attack.py): the honest users beside one adversary, with the
     # product's defences (`defended`) and without them (`undefended`).
     attack: bool = False
+    # A real pretrained model (`--model smollm2-135m`, clawrl/eval/everyday.py): people asking
+    # everyday questions; the trainer takes the model's own recipe (recipe.json and the
+    # trainer's defaults) except what the command line set (in `extra_env`).
+    everyday: bool = False
 
 
 def trainer_method(method: str) -> str:
@@ -151,6 +155,14 @@ def stack_env(config: EvalConfig, method: str) -> dict[str, str]:
     method). The judge works on as many turns at once as the users hold conversations, so
     the engine batches its votes with the users' requests."""
     batch = config.batch_size
+    if config.everyday:
+        return {"CLAWRL_JUDGE__CONCURRENCY": str(max(4, config.parallel * len(config.prefs)
+                                                    * config.users_per_pref)),
+                "CLAWRL_TRAINER__METHOD": trainer_method(method),
+                "CLAWRL_TRAINER__BATCH_SIZE": str(batch),
+                "CLAWRL_TRAINER__MICRO_BATCH_SIZE": str(min(4, batch)),
+                "CLAWRL_TRAINER__MAX_WAIT_S": str(FULL_BATCH_WAIT_S),
+                "CLAWRL_TRAINER__POLL_S": "0.5", "CLAWRL_TRAINER__SEED": str(config.seed)}
     recipe = method_recipe(config, method)
     env = {"CLAWRL_JUDGE__CONCURRENCY": str(max(4, config.parallel * len(config.prefs)
                                                 * config.users_per_pref)),

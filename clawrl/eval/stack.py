@@ -17,10 +17,18 @@ from pathlib import Path
 from typing import Any
 
 from clawrl.cli.ports import free_port
-from clawrl.cli.stack import HOST, Stack, StackError, judge_engine_env, wait_healthy
+from clawrl.cli.stack import (
+    HOST,
+    Stack,
+    StackError,
+    judge_engine_env,
+    pull_named_model,
+    wait_healthy,
+)
 from clawrl.eval.agents import run_agent_rounds
 from clawrl.eval.attack import run_attack_rounds
 from clawrl.eval.config import EvalConfig, stack_env, trainer_method
+from clawrl.eval.everyday import run_everyday_rounds
 from clawrl.eval.rounds import run_rounds
 
 __all__ = ["StackError", "drop_database", "ensure_model", "fresh_database", "run_method"]
@@ -28,7 +36,7 @@ __all__ = ["StackError", "drop_database", "ensure_model", "fresh_database", "run
 
 
 def ensure_model(model: Path, small: bool = False, tools: bool = False,
-                 default: bool = False) -> Path:
+                 default: bool = False, everyday: bool = False) -> Path:
     """The model dir to serve: a dir the user named (`default` False) as it is when it holds
     a model, else the tiny world model built there (`small`: the CI-sized build; `tools`: the
     tool-call model). The default dir in the state dir is kept at the current build: one
@@ -38,6 +46,8 @@ def ensure_model(model: Path, small: bool = False, tools: bool = False,
 
     if (model / "config.json").is_file() and not default:
         return model
+    if everyday:  # a real model by name: `clawrl models pull NAME` into <state>/models/NAME
+        return pull_named_model(model.name, model.parent.parent)
     model.parent.mkdir(parents=True, exist_ok=True)
     return build_tools(model) if tools else build(model, CI if small else FULL)
 
@@ -109,7 +119,8 @@ def run_method(config: EvalConfig, method: str,
                                   "--engine-url", engine_url, "--method", trainer_method(method),
                                   "--weights-dir", str(state / "weights")])
         rounds = (run_agent_rounds if config.track == "toolcall" else
-                  run_attack_rounds if config.attack else run_rounds)
+                  run_attack_rounds if config.attack else
+                  run_everyday_rounds if config.everyday else run_rounds)
         asyncio.run(_guarded(stack, rounds(config, method, proxy_url, db_url, engine_url,
                                            on_round)))
     finally:
