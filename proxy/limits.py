@@ -8,13 +8,18 @@ before the engine is called (`KeyLimits.admit`):
 - requests in flight (`max_concurrent`): a key at its limit is answered 429 at once, so
   it never queues in front of other keys' requests at the engine;
 - tokens per minute (`rate_limit_tpm`, prompt + completion tokens): a token bucket holding
-  one minute's worth. A request is admitted on an estimate (the body's bytes / 4 for the
-  prompt, plus `max_tokens` or 256 for the reply) and the bucket is corrected when the
+  one minute's worth. A request is admitted on an estimate (its prompt text's bytes / 4,
+  plus `max_tokens` or 256 for the reply); a prompt large enough to be counted
+  (proxy/prompt_size.py) is charged its counted tokens up front (`Lease.adjust`), one
+  refused as too long pays for what was counted, and the bucket is corrected when the
   reply ends by what the engine reports it used (`Lease.release`), so a key that asked for
   4,096 tokens and got 20 pays for 20, and one that underestimated pays the rest later.
 
-A key's own value overrides the proxy's default (`ProxySettings`); 0 means unlimited.
-Like requests per minute, the limits hold per proxy process.
+A key's own value overrides the proxy's default (`ProxySettings`); 0 means unlimited. The
+default in flight, unless set, is a quarter of what the engine runs at once when it says
+(`fair_concurrency`): one key can hold a quarter of the batch, never all of it, so another
+key's request starts at once rather than queueing behind it. Like requests per minute, the
+limits hold per proxy process.
 """
 
 from __future__ import annotations
@@ -30,6 +35,15 @@ from clawrl.base.errors import RateLimited
 # Completion tokens assumed for admission when the request sets no `max_tokens`.
 DEFAULT_COMPLETION_ESTIMATE = 256
 _BYTES_PER_TOKEN = 4
+# The default in flight per key when the engine does not say how many it runs at once: a
+# quarter of the embedded engine's batch of 32.
+FALLBACK_CONCURRENT = 8
+
+
+def fair_concurrency(engine_slots: int | None) -> int:
+    """A key's default requests in flight: a quarter of the engine's running requests
+    (at least 1), or FALLBACK_CONCURRENT when that is unknown."""
+    return max(1, engine_slots // 4) if engine_slots else FALLBACK_CONCURRENT
 
 
 class Limited(Protocol):
@@ -65,6 +79,11 @@ class Lease:
     tpm: int
     released: bool = field(default=False)
 
+    def adjust(self, estimate: int) -> None:
+        """A better estimate (a counted prompt): the key's bucket pays the difference now."""
+        if not self.released:
+            self.limits.reestimate(self, estimate)
+
     def release(self, used: int | None = None) -> None:
         """End the request; `used` (tokens the engine reported) corrects the estimate."""
         if self.released:
@@ -74,17 +93,24 @@ class Lease:
 
 
 class KeyLimits:
-    def __init__(self, default_concurrent: int, default_tpm: int, *,
+    def __init__(self, default_concurrent: int | None, default_tpm: int, *,
                  clock: Callable[[], float] = time.monotonic) -> None:
+        # None: `fair_concurrency` of what `engine_slots()` says (the app sets it to the
+        # engine's reported running requests).
         self.default_concurrent = default_concurrent
         self.default_tpm = default_tpm
+        self.engine_slots: Callable[[], int | None] = lambda: None
         self._clock = clock
         self._in_flight: dict[int, int] = {}
         self._buckets: dict[int, tuple[float, float]] = {}  # key_id -> (tokens, at)
 
     def concurrency_for(self, principal: Limited) -> int:
         own = principal.max_concurrent
-        return self.default_concurrent if own is None else own
+        if own is not None:
+            return own
+        if self.default_concurrent is not None:
+            return self.default_concurrent
+        return fair_concurrency(self.engine_slots())
 
     def tpm_for(self, principal: Limited) -> int:
         own = principal.rate_limit_tpm
@@ -115,6 +141,12 @@ class KeyLimits:
             self._buckets[key] = (tokens - estimate, self._clock())
         self._in_flight[key] = self._in_flight.get(key, 0) + 1
         return Lease(self, key, estimate, tpm)
+
+    def reestimate(self, lease: Lease, estimate: int) -> None:
+        if lease.tpm > 0 and lease.key_id in self._buckets:
+            tokens = self._refill(lease.key_id, lease.tpm)
+            self._buckets[lease.key_id] = (tokens + lease.estimate - estimate, self._clock())
+        lease.estimate = estimate
 
     def end(self, lease: Lease, used: int | None) -> None:
         left = self._in_flight.get(lease.key_id, 0) - 1
