@@ -51,7 +51,14 @@ from clawrl.base.errors import ClawrlError, Forbidden, NotFound, Unauthorized, U
 from clawrl.base.logs import setup_logging
 from clawrl.base.settings import Settings, load_settings
 from proxy.auth import Authenticator, bearer_token, hash_secret
-from proxy.chat import ChatEndpoint, ClientGone, check_declared, read_body, send_json
+from proxy.chat import (
+    ChatEndpoint,
+    ClientGone,
+    check_declared,
+    early_answer_headers,
+    read_body,
+    send_json,
+)
 from proxy.endpoints import router
 from proxy.journal import Journal
 from proxy.metrics import MetricsMiddleware, ProxyMetrics
@@ -191,9 +198,9 @@ class ProxyApp(FastAPI):
         except ClawrlError as exc:
             if hold is not None:
                 hold.release()
-            # Answered before the body was read: close the connection after the answer.
+            # Answered before the body was read (proxy/chat.py, DISCARD_BYTES).
             await send_json(send, exc.status, orjson.dumps(exc.body()),
-                            {**exc.headers, "Connection": "close"})
+                            early_answer_headers(exc, declared, False))
             return
         except ClientGone:
             if hold is not None:

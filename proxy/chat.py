@@ -99,6 +99,25 @@ class BodyTimeout(ClawrlError):
     status, type, code = 408, "invalid_request_error", "request_timeout"
 
 
+# An error answered before the body is read leaves the connection open when at most this
+# much of the body was declared: uvicorn discards a request's remaining body once its
+# response is complete (nothing is buffered), and the client reads its answer (a client
+# still writing to a connection closed under it gets a reset instead). A larger declared
+# body, or one that did not arrive in time, gets `Connection: close` and is never read.
+# (An unsized, chunked body is discarded as it comes, like a small one.)
+DISCARD_BYTES = 64 * 1024
+
+
+def early_answer_headers(exc: ClawrlError, declared: str | None,
+                         read: bool) -> dict[str, str]:
+    """The headers of an error answered before the body was read in full (DISCARD_BYTES);
+    a body that did not arrive in time is never waited for again."""
+    large = declared is not None and declared.isdigit() and int(declared) > DISCARD_BYTES
+    if read or not (large or isinstance(exc, BodyTimeout)):
+        return exc.headers
+    return {**exc.headers, "Connection": "close"}
+
+
 def check_declared(declared: str | None, limit: int) -> None:
     """413 at once when the declared `Content-Length` exceeds `limit` (nothing read)."""
     if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -216,10 +235,12 @@ class ChatEndpoint:
         except ClawrlError as exc:
             if started:
                 raise
-            # Answered before the body was read (a bad key, too large, too slow): the
-            # connection is closed after the answer, so the rest is never read.
-            headers = exc.headers if read else {**exc.headers, "Connection": "close"}
-            await send_json(send, exc.status, orjson.dumps(exc.body()), headers)
+            # Answered before the body was read (a bad key, too large, too slow): the rest
+            # is never buffered, and a large rest never read (the connection is closed).
+            declared = next((v.decode("latin-1") for k, v in scope["headers"]
+                             if k == b"content-length"), None)
+            await send_json(send, exc.status, orjson.dumps(exc.body()),
+                            early_answer_headers(exc, declared, read))
         except ClientGone:
             if not started:  # nobody reads it; nginx's "client closed request"
                 await send_json(send, 499, b"")
