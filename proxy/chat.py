@@ -284,17 +284,21 @@ class ChatEndpoint:
         if not body.get("model"):
             body["model"] = settings.served_model_name or "default"
         # The prompt's size before the engine sees it (proxy/prompt_size.py): its bytes
-        # alone may show that it cannot fit.
-        prompt = prompt_text(body)
-        if context and too_long(state.sizer.bound(prompt), chat.requested_tokens, context):
-            raise refusal(state.sizer.bound(prompt), chat.requested_tokens, context)
+        # alone may show that it cannot fit, else its tokens, when it might not.
+        prompt, requested = prompt_text(body), chat.requested_tokens
+        counted = None
+        if context:
+            if too_long(state.sizer.bound(prompt), requested, context):
+                raise refusal(state.sizer.bound(prompt), requested, context)
+            counted = await self._count_prompt(principal, len(raw), prompt, requested, context)
         # Fair share last, once the request is known to be valid: a slot among the key's
         # requests in flight and its estimated tokens (corrected when the reply ends).
-        prompt_bytes = prompt.nbytes if not context else min(prompt.nbytes, 4 * context)
-        lease = state.authenticator.limits.admit(
-            principal, estimate_tokens(prompt_bytes, chat.requested_tokens))
-        if context:
-            await self._count_prompt(raw, prompt, chat, lease, context)
+        if counted is not None:
+            estimate = counted + (requested or DEFAULT_COMPLETION_ESTIMATE)
+        else:
+            prompt_bytes = prompt.nbytes if not context else min(prompt.nbytes, 4 * context)
+            estimate = estimate_tokens(prompt_bytes, requested)
+        lease = state.authenticator.limits.admit(principal, estimate)
         turn = ChatTurn(principal, body, chat, lease, began, {}, shape)
         turn.record = None if principal.log_opt_out else new_record(
             principal, body, kind, session_ext, headers, outcome, uid=turn.uid, extra=extra)
@@ -311,23 +315,21 @@ class ChatEndpoint:
         finally:
             lease.release()
 
-    async def _count_prompt(self, raw: bytes, prompt: PromptText, chat: ChatCompletionRequest,
-                            lease: Lease, context: int) -> None:
-        """A prompt that might not fit is counted with the model's tokenizer (bounded, off
-        the event loop): refused when it cannot fit, and the key's tokens per minute
-        charged the count (what was counted, when refused)."""
-        sizer, requested = self.state.sizer, chat.requested_tokens
-        if sizer.tokenizer is None or not sizer.may_exceed(len(raw), context):
-            return
-        try:
-            counted = await sizer.count(prompt, context - requested + 1 if requested else context)
-        except BaseException:
-            lease.release()
-            raise
+    async def _count_prompt(self, principal: Principal, raw_bytes: int, prompt: PromptText,
+                            requested: int | None, context: int) -> int | None:
+        """The prompt's tokens by the model's tokenizer (bounded, off the event loop) when
+        it might not fit, else None. Refused when it cannot fit, and the key's tokens per
+        minute charged what was counted; a key with no slot free is refused first."""
+        sizer, limits = self.state.sizer, self.state.authenticator.limits
+        if sizer.tokenizer is None or not sizer.may_exceed(raw_bytes, context):
+            return None
+        limits.check_room(principal)
+        counted: int = await sizer.count(prompt, context - requested + 1 if requested
+                                         else context)
         if too_long(counted, requested, context):
-            lease.release(counted)
+            limits.charge(principal, counted)
             raise refusal(counted, requested, context)
-        lease.adjust(counted + (requested or DEFAULT_COMPLETION_ESTIMATE))
+        return counted
 
     async def _serve_json(self, receive: Receive, send: Send, turn: ChatTurn) -> None:
         """A whole reply: one engine call, the turn logged, the JSON sent."""

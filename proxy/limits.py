@@ -10,8 +10,8 @@ before the engine is called (`KeyLimits.admit`):
 - tokens per minute (`rate_limit_tpm`, prompt + completion tokens): a token bucket holding
   one minute's worth. A request is admitted on an estimate (its prompt text's bytes / 4,
   plus `max_tokens` or 256 for the reply); a prompt large enough to be counted
-  (proxy/prompt_size.py) is charged its counted tokens up front (`Lease.adjust`), one
-  refused as too long pays for what was counted, and the bucket is corrected when the
+  (proxy/prompt_size.py) is admitted on its counted tokens instead, one refused as too
+  long pays for what was counted (`KeyLimits.charge`), and the bucket is corrected when the
   reply ends by what the engine reports it used (`Lease.release`), so a key that asked for
   4,096 tokens and got 20 pays for 20, and one that underestimated pays the rest later.
 
@@ -79,11 +79,6 @@ class Lease:
     tpm: int
     released: bool = field(default=False)
 
-    def adjust(self, estimate: int) -> None:
-        """A better estimate (a counted prompt): the key's bucket pays the difference now."""
-        if not self.released:
-            self.limits.reestimate(self, estimate)
-
     def release(self, used: int | None = None) -> None:
         """End the request; `used` (tokens the engine reported) corrects the estimate."""
         if self.released:
@@ -119,15 +114,27 @@ class KeyLimits:
     def in_flight(self, key_id: int) -> int:
         return self._in_flight.get(key_id, 0)
 
+    def check_room(self, principal: Limited) -> None:
+        """RateLimited (429) when the key has no in-flight slot free (takes nothing)."""
+        limit = self.concurrency_for(principal)
+        if limit > 0 and self._in_flight.get(principal.key_id, 0) >= limit:
+            raise RateLimited(f"Too many requests in flight for this API key: the limit is "
+                              f"{limit} at a time. Retry when one has finished.",
+                              retry_after_s=1)
+
+    def charge(self, principal: Limited, tokens: int) -> None:
+        """Take `tokens` from the key's minute without a request (work done for a request
+        that was then refused)."""
+        tpm = self.tpm_for(principal)
+        if tpm > 0:
+            self._buckets[principal.key_id] = (self._refill(principal.key_id, tpm) - tokens,
+                                               self._clock())
+
     def admit(self, principal: Limited, estimate: int) -> Lease:
         """Take an in-flight slot and `estimate` tokens for the key, or raise RateLimited
         (429 with Retry-After) and take nothing."""
         key = principal.key_id
-        limit = self.concurrency_for(principal)
-        if limit > 0 and self._in_flight.get(key, 0) >= limit:
-            raise RateLimited(f"Too many requests in flight for this API key: the limit is "
-                              f"{limit} at a time. Retry when one has finished.",
-                              retry_after_s=1)
+        self.check_room(principal)
         tpm = self.tpm_for(principal)
         if tpm > 0:
             tokens = self._refill(key, tpm)
@@ -141,12 +148,6 @@ class KeyLimits:
             self._buckets[key] = (tokens - estimate, self._clock())
         self._in_flight[key] = self._in_flight.get(key, 0) + 1
         return Lease(self, key, estimate, tpm)
-
-    def reestimate(self, lease: Lease, estimate: int) -> None:
-        if lease.tpm > 0 and lease.key_id in self._buckets:
-            tokens = self._refill(lease.key_id, lease.tpm)
-            self._buckets[lease.key_id] = (tokens + lease.estimate - estimate, self._clock())
-        lease.estimate = estimate
 
     def end(self, lease: Lease, used: int | None) -> None:
         left = self._in_flight.get(lease.key_id, 0) - 1
