@@ -223,3 +223,230 @@ async def test_prompt_that_cannot_fit_never_reaches_the_engine(procs: BenchProcs
         assert statuses == [200, 200, 429], [r.text for r in replies]
         limited = next(r for r in replies if r.status_code == 429).json()["error"]
         assert "tokens per minute" in limited["message"]
+
+
+# --- the default in flight per key --------------------------------------------------------
+
+
+async def timed(http: httpx.AsyncClient, key: str, max_tokens: int) -> tuple[int, float]:
+    start = time.perf_counter()
+    reply = await http.post(CHAT, json=chat("hello", max_tokens=max_tokens),
+                            headers={"Authorization": f"Bearer {key}"})
+    return reply.status_code, time.perf_counter() - start
+
+
+async def victim_p50(url: str, victim: str, hog: str | None, n: int
+                     ) -> tuple[float, dict[int, int]]:
+    """The victim's p50 over `n` short requests (40 tokens), one at a time, while `hog`
+    (when given) runs 20 clients of long generations (200 tokens) back to back; after a
+    429 a hog client waits 100 ms."""
+    stop, tally = asyncio.Event(), {}
+
+    async def hog_client(http: httpx.AsyncClient) -> None:
+        assert hog is not None
+        while not stop.is_set():
+            status, _ = await timed(http, hog, 200)
+            tally[status] = tally.get(status, 0) + 1
+            if status == 429:
+                await asyncio.sleep(0.1)
+
+    limits = httpx.Limits(max_connections=64)
+    async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as http:
+        hogs = [asyncio.create_task(hog_client(http)) for _ in range(20 if hog else 0)]
+        try:
+            if hogs:
+                await asyncio.sleep(1.0)  # the hog holds what it can before measuring
+            latencies = []
+            for _ in range(n):
+                status, seconds = await timed(http, victim, 40)
+                assert status == 200
+                latencies.append(seconds)
+            return statistics.median(latencies), tally
+        finally:
+            stop.set()
+            await asyncio.gather(*hogs)
+
+
+async def test_one_key_at_the_default_leaves_another_keys_p50(procs: BenchProcs,
+                                                               db_url: str) -> None:
+    """An engine of 16 slots at 5 ms a token (a 200-token generation holds a slot 1 s).
+    The hog, with the default limit, may hold 16 / 4 = 4; the victim keeps its p50 within
+    2x of its p50 alone. The control — the same hog with no limit — takes every slot and
+    pushes the victim past 2x, so the measurement can tell the difference."""
+    keys = await make_keys(db_url, victim={}, hog={}, unlimited={"max_concurrent": 0})
+    procs.configure(token_s=0.005, slots=16)
+    url = procs.proxy_url
+    async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+        for _ in range(3):  # warm-up
+            await timed(http, keys["victim"], 40)
+    alone, _ = await victim_p50(url, keys["victim"], None, 9)
+    limited, tally = await victim_p50(url, keys["victim"], keys["hog"], 9)
+    control, control_tally = await victim_p50(url, keys["victim"], keys["unlimited"], 5)
+    figures = (f"victim p50 alone {alone * 1e3:.0f} ms, beside the hog at the default "
+               f"{limited * 1e3:.0f} ms ({limited / alone:.2f}x; hog answers {tally}), beside "
+               f"the unlimited hog {control * 1e3:.0f} ms ({control / alone:.2f}x; "
+               f"{control_tally})")
+    print(figures)
+    assert tally.get(200, 0) > 0 and tally.get(429, 0) > 0, figures  # it was at its limit
+    assert limited <= 2 * alone, figures
+    assert control > 2 * alone, figures
+    # The default followed the engine's 16 running requests: 4 at a time.
+    async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+        held = [asyncio.create_task(timed(http, keys["hog"], 200)) for _ in range(4)]
+        await asyncio.sleep(0.3)
+        refused = await http.post(CHAT, json=chat("x"),
+                                  headers={"Authorization": f"Bearer {keys['hog']}"})
+        await asyncio.gather(*held)
+    assert refused.status_code == 429 and "the limit is 4 at a time" in refused.text
+
+
+# --- nothing grows before authentication ------------------------------------------------
+
+
+class Raw:
+    """One raw HTTP/1.1 connection: what the proxy answers, and whether it closed."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+
+    @classmethod
+    async def open(cls, url: str) -> Raw:
+        host, port = url.removeprefix("http://").split(":")
+        return cls(*await asyncio.open_connection(host, int(port)))
+
+    async def send_head(self, path: str, length: int, key: str | None = None,
+                        body: bytes = b"") -> None:
+        head = (f"POST {path} HTTP/1.1\r\nHost: proxy\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {length}\r\n")
+        if key is not None:
+            head += f"Authorization: Bearer {key}\r\n"
+        self.writer.write(head.encode() + b"\r\n" + body)
+        await self.writer.drain()
+
+    async def answer(self, timeout_s: float = 20.0) -> tuple[int, dict[str, Any], bool]:
+        """The status and JSON body of the answer, and whether the connection then closed
+        (EOF or reset within 5 s)."""
+        async with asyncio.timeout(timeout_s):
+            head = await self.reader.readuntil(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        status = int(lines[0].split()[1])
+        headers = dict(line.lower().split(": ", 1) for line in lines[1:] if ": " in line)
+        body = await self.reader.readexactly(int(headers["content-length"]))
+        try:
+            async with asyncio.timeout(5):
+                closed = await self.reader.read(1) == b""
+        except ConnectionError:
+            closed = True
+        except TimeoutError:
+            closed = False
+        return status, json.loads(body) if body else {}, closed
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+async def test_no_key_no_body_read(proxy_factory: ProxyFactory, db_url: str) -> None:
+    """60 connections each declaring a 4 MB body, sending 64 KB of it and holding back the
+    rest, with no key or a made-up one: every one is answered 401 from its headers (the
+    body is never waited for) and closed; the same on the other routes that take a key."""
+    proxy = await proxy_factory(closed_port_url(), admin_key="sekrit")
+    size = 4 * 1024 * 1024
+    made_up = "ck-0123456789ab-" + "x" * 43
+
+    async def one(i: int) -> tuple[int, dict[str, Any], bool]:
+        conn = await Raw.open(proxy.url)
+        try:
+            await conn.send_head(CHAT, size, key=made_up if i % 2 else None,
+                                 body=b"x" * 65536)
+            return await conn.answer()
+        finally:
+            conn.close()
+
+    answers = await asyncio.gather(*(one(i) for i in range(60)))
+    for status, body, closed in answers:
+        assert status == 401 and body["error"]["type"] == "authentication_error", body
+        assert closed
+    codes = {body["error"]["code"] for _, body, _ in answers}
+    assert codes == {"missing_api_key", "invalid_api_key"}
+    for path in ("/v1/responses", "/v1/feedback", "/v1/sessions/s/outcome", "/admin/users"):
+        conn = await Raw.open(proxy.url)
+        try:
+            await conn.send_head(path, size, body=b"{")
+            status, body, closed = await conn.answer()
+        finally:
+            conn.close()
+        assert (status, closed) == (401, True), (path, body)
+    assert proxy.app.unauth_budget.held == 0  # type: ignore[attr-defined]
+
+
+async def test_a_body_held_back_is_cut_at_the_read_timeout(proxy_factory: ProxyFactory,
+                                                           db_url: str) -> None:
+    """A client that sends all but the last byte is answered 408 at the read timeout (1 s
+    here) and its connection closed: on chat, on another keyed route and on one without a
+    key (whose bytes are given back)."""
+    proxy = await proxy_factory(closed_port_url(), body_timeout_s=1.0)
+    _, key = create_user(db_url, "u")
+    for path, with_key in ((CHAT, True), ("/v1/feedback", True), ("/nowhere", False)):
+        conn = await Raw.open(proxy.url)
+        try:
+            start = time.monotonic()
+            await conn.send_head(path, 1000, key=key if with_key else None, body=b"x" * 999)
+            status, body, closed = await conn.answer()
+            waited = time.monotonic() - start
+        finally:
+            conn.close()
+        assert status == 408 and body["error"]["code"] == "request_timeout", (path, body)
+        assert closed, path
+        assert waited >= 1.0, path  # not before the timeout
+    assert proxy.app.unauth_budget.held == 0  # type: ignore[attr-defined]
+
+
+async def test_unauthenticated_bytes_are_bounded_in_total(proxy_factory: ProxyFactory,
+                                                          db_url: str) -> None:
+    """Routes without a key (here an unknown path; the console's sign-in alike) take bodies
+    of at most `max_unauth_body_bytes`, and hold at most `max_unauth_buffered_bytes` of them
+    at once: two stalled 50 KB bodies hold 100 KB of 120 KB (the gauge says so), a third
+    is 503 at once, and when the two are cut at the timeout the bytes come back."""
+    proxy = await proxy_factory(closed_port_url(), body_timeout_s=3.0,
+                                max_unauth_body_bytes=60_000,
+                                max_unauth_buffered_bytes=120_000)
+
+    async def gauge() -> float:
+        async with httpx.AsyncClient(base_url=proxy.url) as http:
+            text = (await http.get("/metrics")).text
+        line = next(line for line in text.splitlines()
+                    if line.startswith("clawrl_unauth_body_bytes "))
+        return float(line.split()[1])
+
+    stalled = [await Raw.open(proxy.url) for _ in range(2)]
+    try:
+        for conn in stalled:
+            await conn.send_head("/nowhere", 50_000, body=b"x" * 10)
+        deadline = time.monotonic() + 10
+        while await gauge() != 100_000:
+            assert time.monotonic() < deadline, await gauge()
+            await asyncio.sleep(0.05)
+        third = await Raw.open(proxy.url)
+        try:
+            await third.send_head("/nowhere", 50_000, body=b"x" * 10)
+            status, body, _ = await third.answer(timeout_s=2.0)
+        finally:
+            third.close()
+        assert status == 503 and body["error"]["code"] == "server_busy", body
+        too_big = await Raw.open(proxy.url)
+        try:
+            await too_big.send_head("/nowhere", 60_001)
+            status, body, _ = await too_big.answer(timeout_s=2.0)
+        finally:
+            too_big.close()
+        assert status == 413, body
+        for conn in stalled:
+            status, _, closed = await conn.answer()
+            assert (status, closed) == (408, True)
+    finally:
+        for conn in stalled:
+            conn.close()
+    assert await gauge() == 0
+    async with httpx.AsyncClient(base_url=proxy.url) as http:  # room again
+        response = await http.post("/nowhere", content=b"x" * 50_000)
+    assert response.status_code == 404
