@@ -38,7 +38,9 @@ from starlette.types import Message, Receive, Scope, Send
 from clawrl.base.errors import (
     BadRequest,
     ClawrlError,
+    Forbidden,
     PayloadTooLarge,
+    Unauthorized,
     UpstreamError,
     UpstreamTimeout,
 )
@@ -99,21 +101,22 @@ class BodyTimeout(ClawrlError):
     status, type, code = 408, "invalid_request_error", "request_timeout"
 
 
-# An error answered before the body is read leaves the connection open when at most this
-# much of the body was declared: uvicorn discards a request's remaining body once its
-# response is complete (nothing is buffered), and the client reads its answer (a client
-# still writing to a connection closed under it gets a reset instead). A larger declared
-# body, or one that did not arrive in time, gets `Connection: close` and is never read.
-# (An unsized, chunked body is discarded as it comes, like a small one.)
+# An error answered before the body is read leaves the connection open: uvicorn discards
+# a request's remaining body once its response is complete (nothing is buffered), and the
+# client reads its answer (a client still writing to a connection closed under it gets a
+# reset instead) — a 413 for a declared size, a small body with a bad key. But a caller
+# without a valid key who declared more than this, and any body that did not arrive in
+# time, gets `Connection: close`: nobody unauthenticated holds a connection open by
+# trickling a large body, and a late body is never waited for again.
 DISCARD_BYTES = 64 * 1024
 
 
 def early_answer_headers(exc: ClawrlError, declared: str | None,
                          read: bool) -> dict[str, str]:
-    """The headers of an error answered before the body was read in full (DISCARD_BYTES);
-    a body that did not arrive in time is never waited for again."""
+    """The headers of an error answered before the body was read in full (DISCARD_BYTES)."""
     large = declared is not None and declared.isdigit() and int(declared) > DISCARD_BYTES
-    if read or not (large or isinstance(exc, BodyTimeout)):
+    unknown = isinstance(exc, (Unauthorized, Forbidden)) and large
+    if read or not (unknown or isinstance(exc, BodyTimeout)):
         return exc.headers
     return {**exc.headers, "Connection": "close"}
 
