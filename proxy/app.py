@@ -9,8 +9,16 @@ must be migrated (`clawrl db upgrade`; `clawrl up` does it).
 Shared resources live in the lifespan: the engine connections (a lean keep-alive pool for
 chat, proxy/engine_http.py, and one `httpx.AsyncClient` for the rest), one async SQLAlchemy
 engine, and the background tasks — the turn writer, the session-timeout sweep and the
-weight-version poll. `POST /v1/chat/completions` and `POST /v1/responses` (the same path,
-proxy/responses.py) skip FastAPI's layers (`ProxyApp`).
+weight-version poll (which also follows the served model's tokenizer, proxy/prompt_size.py).
+`POST /v1/chat/completions` and `POST /v1/responses` (the same path, proxy/responses.py) skip
+FastAPI's layers (`ProxyApp`).
+
+Nothing grows before authentication (`ProxyApp.__call__`, and the chat endpoint for its
+own routes): a declared body over the limit is 413 and a missing or wrong key 401 from the
+headers alone, before a byte of the body is read, and the connection is then closed; every
+body must arrive within `body_timeout_s` (408, closed); routes that take no key (the
+console's sign-in, health) buffer small bodies only, and at most `max_unauth_buffered_bytes`
+of them at once in total (`UnauthBudget`; 503 past it, `clawrl_unauth_body_bytes`).
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hmac
 import importlib
 import logging
 import sys
@@ -29,6 +38,7 @@ import httpx
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from prometheus_client import Gauge
 from pydantic import ValidationError
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
@@ -37,14 +47,22 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from clawrl.base.db import create_async
-from clawrl.base.errors import ClawrlError, NotFound, PayloadTooLarge
+from clawrl.base.errors import ClawrlError, Forbidden, NotFound, Unauthorized, Unavailable
 from clawrl.base.logs import setup_logging
 from clawrl.base.settings import Settings, load_settings
-from proxy.auth import Authenticator
-from proxy.chat import ChatEndpoint, ClientGone, read_body, send_json
+from proxy.auth import Authenticator, bearer_token, hash_secret
+from proxy.chat import (
+    ChatEndpoint,
+    ClientGone,
+    check_declared,
+    early_answer_headers,
+    read_body,
+    send_json,
+)
 from proxy.endpoints import router
 from proxy.journal import Journal
 from proxy.metrics import MetricsMiddleware, ProxyMetrics
+from proxy.prompt_size import PromptSizer
 from proxy.responses import RESPONSES_PATH, ResponsesEndpoint
 from proxy.sessions import close_stale_turns
 from proxy.store import TurnWriter
@@ -93,6 +111,51 @@ async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
     return _error_response(ClawrlError("The proxy failed unexpectedly."))
 
 
+class UnauthBudget:
+    """Bytes of request bodies buffered for routes that take no key, all requests together:
+    a request reserves its body (the declared length at once, else chunk by chunk) and
+    gives it back when it ends; past `limit` it is answered 503 and reads nothing more."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+
+    def holder(self) -> BudgetHold:
+        return BudgetHold(self)
+
+
+class BudgetHold:
+    """One request's share of the `UnauthBudget` (`release` gives it all back)."""
+
+    def __init__(self, budget: UnauthBudget) -> None:
+        self.budget = budget
+        self.held = 0
+
+    def __call__(self, nbytes: int) -> None:
+        budget = self.budget
+        if budget.held + nbytes > budget.limit:
+            raise Unavailable("Too many unauthenticated request bodies are being received at "
+                              "once; retry shortly.", code="server_busy",
+                              headers={"Retry-After": "1"})
+        budget.held += nbytes
+        self.held += nbytes
+
+    def release(self) -> None:
+        self.budget.held -= self.held
+        self.held = 0
+
+
+def check_admin_key(admin_key: str | None, authorization: str | None) -> None:
+    """The admin API's key from the headers (proxy/admin.py's guard, answered before the
+    body): 403 when the admin API is off, 401 for a missing or wrong key."""
+    if admin_key is None:
+        raise Forbidden("The admin API is disabled: set CLAWRL_PROXY__ADMIN_KEY to enable it.",
+                        code="admin_api_disabled")
+    token = bearer_token(authorization)
+    if not hmac.compare_digest(hash_secret(token), hash_secret(admin_key)):
+        raise Unauthorized("Incorrect admin key.", code="invalid_admin_key")
+
+
 class ProxyApp(FastAPI):
     """FastAPI, except that `POST /v1/chat/completions` (and `POST /v1/responses`) go
     straight to their endpoints (through the metrics middleware only): FastAPI's middleware
@@ -100,6 +163,7 @@ class ProxyApp(FastAPI):
     it."""
 
     fast_routes: Mapping[str, ASGIApp] = MappingProxyType({})
+    unauth_budget: UnauthBudget
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -107,18 +171,40 @@ class ProxyApp(FastAPI):
             return
         fast = self.fast_routes.get(scope["path"]) if scope["method"] == "POST" else None
         if fast is not None:
-            await fast(scope, receive, send)  # enforces the body limit itself
+            await fast(scope, receive, send)  # checks the key and reads the body itself
             return
-        # Every other route: the whole body, within the limit, before any parsing or auth.
-        limit = self.state.settings.proxy.max_body_bytes
-        declared = next((v.decode("latin-1") for k, v in scope["headers"]
-                         if k == b"content-length"), None)
+        # Every other route: the declared size, then the key when the route takes one (all
+        # of /v1 an API key, /admin the admin key), then the whole body, within the limit
+        # and the read timeout, before any parsing.
+        cfg = self.state.settings.proxy
+        deadline = asyncio.get_running_loop().time() + cfg.body_timeout_s
+        declared = authorization = None
+        for name, value in scope["headers"]:
+            if name == b"content-length" and declared is None:
+                declared = value.decode("latin-1")
+            elif name == b"authorization" and authorization is None:
+                authorization = value.decode("latin-1")
+        hold = None
         try:
-            body = await read_body(receive, declared, limit)
-        except PayloadTooLarge as exc:
-            await send_json(send, exc.status, orjson.dumps(exc.body()))
+            check_declared(declared, cfg.max_body_bytes)
+            keyed = await self._check_key(scope["path"], authorization)
+            if keyed:
+                body = await read_body(receive, declared, cfg.max_body_bytes, deadline=deadline)
+            else:
+                hold = self.unauth_budget.holder()
+                body = await read_body(receive, declared,
+                                       min(cfg.max_body_bytes, cfg.max_unauth_body_bytes),
+                                       deadline=deadline, reserve=hold)
+        except ClawrlError as exc:
+            if hold is not None:
+                hold.release()
+            # Answered before the body was read (proxy/chat.py, DISCARD_BYTES).
+            await send_json(send, exc.status, orjson.dumps(exc.body()),
+                            early_answer_headers(exc, declared, False))
             return
         except ClientGone:
+            if hold is not None:
+                hold.release()
             return
         replayed = False
 
@@ -129,7 +215,27 @@ class ProxyApp(FastAPI):
             replayed = True
             return {"type": "http.request", "body": body, "more_body": False}
 
-        await super().__call__(scope, replay, send)
+        try:
+            await super().__call__(scope, replay, send)
+        finally:
+            if hold is not None:
+                hold.release()
+
+    async def _check_key(self, path: str, authorization: str | None) -> bool:
+        """Whether `path` takes a key, after checking it from the headers (raises 401/403/
+        503 as the route would; the route's own check, and its rate limit, still run, from
+        the cache)."""
+        if path.startswith("/v1/"):
+            authenticator = getattr(self.state, "authenticator", None)
+            if authenticator is not None:
+                await authenticator.principal(bearer_token(authorization))
+            return True
+        if path.startswith("/admin/") or path == "/admin":
+            admin_key = self.state.settings.proxy.admin_key
+            check_admin_key(None if admin_key is None else admin_key.get_secret_value(),
+                            authorization)
+            return True
+        return False
 
 
 def create_app(settings: Settings, *, db_url: str | None = None,
@@ -155,17 +261,24 @@ def create_app(settings: Settings, *, db_url: str | None = None,
         writer = TurnWriter(db, journal, include_system=cfg.fingerprint_system,
                             backlog_max=cfg.turn_backlog_max, metrics=app.state.metrics)
         app.state.db, app.state.writer = db, writer
-        app.state.upstream = Upstream(client, pool)
+        app.state.upstream = upstream = Upstream(client, pool)
         app.state.authenticator = Authenticator(db, cfg)
+        app.state.authenticator.limits.engine_slots = lambda: upstream.max_running_requests
+        app.state.sizer = sizer = PromptSizer(max_token_bytes=cfg.max_token_bytes,
+                                              tokenizer_path=cfg.tokenizer_path)
         writer.start()
 
         async def sweep() -> None:
             async with db.begin() as conn:
                 await close_stale_turns(conn, cfg.session_timeout_s)
 
+        async def poll_engine() -> None:
+            # The weight version, the context, the running requests and the tokenizer.
+            await sizer.follow(await upstream.model_info())
+
         tasks = [asyncio.create_task(_every(min(60.0, cfg.session_timeout_s / 4), sweep,
                                             "close_stale_turns")),
-                 asyncio.create_task(_every(WEIGHT_VERSION_POLL_S, app.state.upstream.model_info,
+                 asyncio.create_task(_every(WEIGHT_VERSION_POLL_S, poll_engine,
                                             "poll_weight_version", now=True))]
         try:
             yield
@@ -175,6 +288,7 @@ def create_app(settings: Settings, *, db_url: str | None = None,
             await asyncio.gather(*tasks, return_exceptions=True)
             await writer.stop()
             await app.state.upstream.aclose()
+            sizer.close()
             await db.dispose()
 
     # FastAPI's own OpenTelemetry hooks are off: /metrics covers this, per request for less.
@@ -182,11 +296,15 @@ def create_app(settings: Settings, *, db_url: str | None = None,
                   openapi_url=None, telemetry={"tracing": False, "metrics": False,
                                                "logs": False, "operation_spans": False})
     app.state.settings = settings
+    app.unauth_budget = budget = UnauthBudget(cfg.max_unauth_buffered_bytes)
     # Read through the app state, so the gauges follow the writer of the running lifespan.
     app.state.metrics = ProxyMetrics(
         backlog=lambda: float(app.state.writer.backlog) if hasattr(app.state, "writer") else 0,
         journal=lambda: float(journal.pending),
         writer_up=lambda: float(app.state.writer.alive) if hasattr(app.state, "writer") else 0)
+    Gauge("clawrl_unauth_body_bytes", "Request body bytes buffered for routes that take no "
+          "key, all requests together", registry=app.state.metrics.registry
+          ).set_function(lambda: float(budget.held))
     app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
     app.add_exception_handler(ClawrlError, _on_clawrl_error)
     app.add_exception_handler(StarletteHTTPException, _on_http_error)

@@ -38,13 +38,16 @@ from starlette.types import Message, Receive, Scope, Send
 from clawrl.base.errors import (
     BadRequest,
     ClawrlError,
+    Forbidden,
     PayloadTooLarge,
+    Unauthorized,
     UpstreamError,
     UpstreamTimeout,
 )
 from proxy.auth import Principal
-from proxy.limits import Lease, estimate_tokens, used_tokens
+from proxy.limits import DEFAULT_COMPLETION_ESTIMATE, Lease, estimate_tokens, used_tokens
 from proxy.openai_types import ChatCompletionRequest, parse_chat_request, parse_outcome_header
+from proxy.prompt_size import PromptText, prompt_text, refusal, too_long
 from proxy.records import TurnRecord
 from proxy.sessions import MAX_SESSION_ID, explicit_session_id
 from proxy.sse import ChatRenderer, Last, Renderer, StreamCollector, relay
@@ -92,23 +95,68 @@ async def until_disconnect(receive: Receive, work: Awaitable[T]) -> T:
         watcher.cancel()
 
 
-async def read_body(receive: Receive, declared: str | None, limit: int) -> bytes:
-    """The request body, or 413 as soon as it is known to exceed `limit` bytes."""
-    too_large = PayloadTooLarge(f"The request body exceeds the limit of {limit} bytes.")
+class BodyTimeout(ClawrlError):
+    """The request body did not arrive in time (a client holding back its last bytes)."""
+
+    status, type, code = 408, "invalid_request_error", "request_timeout"
+
+
+# An error answered before the body is read leaves the connection open: uvicorn discards
+# a request's remaining body once its response is complete (nothing is buffered), and the
+# client reads its answer (a client still writing to a connection closed under it gets a
+# reset instead) — a 413 for a declared size, a small body with a bad key. But a caller
+# without a valid key who declared more than this, and any body that did not arrive in
+# time, gets `Connection: close`: nobody unauthenticated holds a connection open by
+# trickling a large body, and a late body is never waited for again.
+DISCARD_BYTES = 64 * 1024
+
+
+def early_answer_headers(exc: ClawrlError, declared: str | None,
+                         read: bool) -> dict[str, str]:
+    """The headers of an error answered before the body was read in full (DISCARD_BYTES)."""
+    large = declared is not None and declared.isdigit() and int(declared) > DISCARD_BYTES
+    unknown = isinstance(exc, (Unauthorized, Forbidden)) and large
+    if read or not (unknown or isinstance(exc, BodyTimeout)):
+        return exc.headers
+    return {**exc.headers, "Connection": "close"}
+
+
+def check_declared(declared: str | None, limit: int) -> None:
+    """413 at once when the declared `Content-Length` exceeds `limit` (nothing read)."""
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise too_large
+        raise PayloadTooLarge(f"The request body exceeds the limit of {limit} bytes.")
+
+
+async def read_body(receive: Receive, declared: str | None, limit: int, *,
+                    deadline: float | None = None,
+                    reserve: Callable[[int], None] | None = None) -> bytes:
+    """The request body, or 413 as soon as it is known to exceed `limit` bytes, or 408 when
+    it is not all there by `deadline` (the event loop's clock). `reserve(n)` is told of the
+    bytes before they are buffered (the declared length at once, else each chunk) and may
+    refuse them by raising."""
+    check_declared(declared, limit)
+    sized = declared is not None and declared.isdigit()
+    if reserve is not None and sized:
+        reserve(int(declared))  # type: ignore[arg-type]
     chunks, size = [], 0
-    while True:
-        message = await receive()
-        if message["type"] != "http.request":
-            raise ClientGone()
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise too_large
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            return b"".join(chunks)
+    try:
+        async with asyncio.timeout_at(deadline):
+            while True:
+                message = await receive()
+                if message["type"] != "http.request":
+                    raise ClientGone()
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if size > limit:
+                    raise PayloadTooLarge(f"The request body exceeds the limit of {limit} bytes.")
+                if reserve is not None and not sized:
+                    reserve(len(chunk))
+                chunks.append(chunk)
+                if not message.get("more_body", False):
+                    return b"".join(chunks)
+    except TimeoutError:
+        raise BodyTimeout(f"The request body did not arrive within the time allowed "
+                          f"({size} bytes received).") from None
 
 
 def _raw_headers(headers: dict[str, str], content_type: bytes,
@@ -172,19 +220,30 @@ class ChatEndpoint:
         return "max_completion_tokens" if chat.max_completion_tokens else "max_tokens"
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        started = False
+        started = read = False
 
         async def tracked(message: Any) -> None:
             nonlocal started
             started = True
             await send(message)
 
+        async def reading() -> Message:
+            nonlocal read
+            message = await receive()
+            read = read or not message.get("more_body", False)
+            return message
+
         try:
-            await self._chat(scope, receive, tracked)
+            await self._chat(scope, reading, tracked)
         except ClawrlError as exc:
             if started:
                 raise
-            await send_json(send, exc.status, orjson.dumps(exc.body()), exc.headers)
+            # Answered before the body was read (a bad key, too large, too slow): the rest
+            # is never buffered, and a large rest never read (the connection is closed).
+            declared = next((v.decode("latin-1") for k, v in scope["headers"]
+                             if k == b"content-length"), None)
+            await send_json(send, exc.status, orjson.dumps(exc.body()),
+                            early_answer_headers(exc, declared, read))
         except ClientGone:
             if not started:  # nobody reads it; nginx's "client closed request"
                 await send_json(send, 499, b"")
@@ -203,11 +262,15 @@ class ChatEndpoint:
         for name, value in scope["headers"]:
             if name in _WANTED and name not in headers:
                 headers[name] = value.decode("latin-1")
-        # The size limit first (before auth or parsing), then the key, then the body.
-        raw = await read_body(receive, headers.get(b"content-length"), settings.max_body_bytes)
+        # The declared size and the key from the headers, before a byte of the body is
+        # read; then the body, within the size limit and the read timeout.
+        deadline = asyncio.get_running_loop().time() + settings.body_timeout_s
+        check_declared(headers.get(b"content-length"), settings.max_body_bytes)
         auth = headers.get(b"authorization")
         principal = await state.authenticator.authenticate(
             {"authorization": auth} if auth is not None else {})
+        raw = await read_body(receive, headers.get(b"content-length"), settings.max_body_bytes,
+                              deadline=deadline)
         body, chat, shape, extra = self.parse(raw)
         context = settings.max_context_tokens or state.upstream.context_length
         if context and chat.requested_tokens and chat.requested_tokens > context:
@@ -223,11 +286,22 @@ class ChatEndpoint:
         outcome = parse_outcome_header(headers.get(b"x-session-outcome"))
         if not body.get("model"):
             body["model"] = settings.served_model_name or "default"
+        # The prompt's size before the engine sees it (proxy/prompt_size.py): its bytes
+        # alone may show that it cannot fit, else its tokens, when it might not.
+        prompt, requested = prompt_text(body), chat.requested_tokens
+        counted = None
+        if context:
+            if too_long(state.sizer.bound(prompt), requested, context):
+                raise refusal(state.sizer.bound(prompt), requested, context)
+            counted = await self._count_prompt(principal, len(raw), prompt, requested, context)
         # Fair share last, once the request is known to be valid: a slot among the key's
         # requests in flight and its estimated tokens (corrected when the reply ends).
-        prompt_bytes = len(raw) if not context else min(len(raw), 4 * context)
-        lease = state.authenticator.limits.admit(
-            principal, estimate_tokens(prompt_bytes, chat.requested_tokens))
+        if counted is not None:
+            estimate = counted + (requested or DEFAULT_COMPLETION_ESTIMATE)
+        else:
+            prompt_bytes = prompt.nbytes if not context else min(prompt.nbytes, 4 * context)
+            estimate = estimate_tokens(prompt_bytes, requested)
+        lease = state.authenticator.limits.admit(principal, estimate)
         turn = ChatTurn(principal, body, chat, lease, began, {}, shape)
         turn.record = None if principal.log_opt_out else new_record(
             principal, body, kind, session_ext, headers, outcome, uid=turn.uid, extra=extra)
@@ -243,6 +317,22 @@ class ChatEndpoint:
                 await self._serve_json(receive, send, turn)
         finally:
             lease.release()
+
+    async def _count_prompt(self, principal: Principal, raw_bytes: int, prompt: PromptText,
+                            requested: int | None, context: int) -> int | None:
+        """The prompt's tokens by the model's tokenizer (bounded, off the event loop) when
+        it might not fit, else None. Refused when it cannot fit, and the key's tokens per
+        minute charged what was counted; a key with no slot free is refused first."""
+        sizer, limits = self.state.sizer, self.state.authenticator.limits
+        if sizer.tokenizer is None or not sizer.may_exceed(raw_bytes, context):
+            return None
+        limits.check_room(principal)
+        counted: int = await sizer.count(prompt, context - requested + 1 if requested
+                                         else context)
+        if too_long(counted, requested, context):
+            limits.charge(principal, counted)
+            raise refusal(counted, requested, context)
+        return counted
 
     async def _serve_json(self, receive: Receive, send: Send, turn: ChatTurn) -> None:
         """A whole reply: one engine call, the turn logged, the JSON sent."""

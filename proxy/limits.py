@@ -8,13 +8,18 @@ before the engine is called (`KeyLimits.admit`):
 - requests in flight (`max_concurrent`): a key at its limit is answered 429 at once, so
   it never queues in front of other keys' requests at the engine;
 - tokens per minute (`rate_limit_tpm`, prompt + completion tokens): a token bucket holding
-  one minute's worth. A request is admitted on an estimate (the body's bytes / 4 for the
-  prompt, plus `max_tokens` or 256 for the reply) and the bucket is corrected when the
+  one minute's worth. A request is admitted on an estimate (its prompt text's bytes / 4,
+  plus `max_tokens` or 256 for the reply); a prompt large enough to be counted
+  (proxy/prompt_size.py) is admitted on its counted tokens instead, one refused as too
+  long pays for what was counted (`KeyLimits.charge`), and the bucket is corrected when the
   reply ends by what the engine reports it used (`Lease.release`), so a key that asked for
   4,096 tokens and got 20 pays for 20, and one that underestimated pays the rest later.
 
-A key's own value overrides the proxy's default (`ProxySettings`); 0 means unlimited.
-Like requests per minute, the limits hold per proxy process.
+A key's own value overrides the proxy's default (`ProxySettings`); 0 means unlimited. The
+default in flight, unless set, is a quarter of what the engine runs at once when it says
+(`fair_concurrency`): one key can hold a quarter of the batch, never all of it, so another
+key's request starts at once rather than queueing behind it. Like requests per minute, the
+limits hold per proxy process.
 """
 
 from __future__ import annotations
@@ -30,6 +35,15 @@ from clawrl.base.errors import RateLimited
 # Completion tokens assumed for admission when the request sets no `max_tokens`.
 DEFAULT_COMPLETION_ESTIMATE = 256
 _BYTES_PER_TOKEN = 4
+# The default in flight per key when the engine does not say how many it runs at once: a
+# quarter of the embedded engine's batch of 32.
+FALLBACK_CONCURRENT = 8
+
+
+def fair_concurrency(engine_slots: int | None) -> int:
+    """A key's default requests in flight: a quarter of the engine's running requests
+    (at least 1), or FALLBACK_CONCURRENT when that is unknown."""
+    return max(1, engine_slots // 4) if engine_slots else FALLBACK_CONCURRENT
 
 
 class Limited(Protocol):
@@ -74,17 +88,24 @@ class Lease:
 
 
 class KeyLimits:
-    def __init__(self, default_concurrent: int, default_tpm: int, *,
+    def __init__(self, default_concurrent: int | None, default_tpm: int, *,
                  clock: Callable[[], float] = time.monotonic) -> None:
+        # None: `fair_concurrency` of what `engine_slots()` says (the app sets it to the
+        # engine's reported running requests).
         self.default_concurrent = default_concurrent
         self.default_tpm = default_tpm
+        self.engine_slots: Callable[[], int | None] = lambda: None
         self._clock = clock
         self._in_flight: dict[int, int] = {}
         self._buckets: dict[int, tuple[float, float]] = {}  # key_id -> (tokens, at)
 
     def concurrency_for(self, principal: Limited) -> int:
         own = principal.max_concurrent
-        return self.default_concurrent if own is None else own
+        if own is not None:
+            return own
+        if self.default_concurrent is not None:
+            return self.default_concurrent
+        return fair_concurrency(self.engine_slots())
 
     def tpm_for(self, principal: Limited) -> int:
         own = principal.rate_limit_tpm
@@ -93,15 +114,27 @@ class KeyLimits:
     def in_flight(self, key_id: int) -> int:
         return self._in_flight.get(key_id, 0)
 
+    def check_room(self, principal: Limited) -> None:
+        """RateLimited (429) when the key has no in-flight slot free (takes nothing)."""
+        limit = self.concurrency_for(principal)
+        if limit > 0 and self._in_flight.get(principal.key_id, 0) >= limit:
+            raise RateLimited(f"Too many requests in flight for this API key: the limit is "
+                              f"{limit} at a time. Retry when one has finished.",
+                              retry_after_s=1)
+
+    def charge(self, principal: Limited, tokens: int) -> None:
+        """Take `tokens` from the key's minute without a request (work done for a request
+        that was then refused)."""
+        tpm = self.tpm_for(principal)
+        if tpm > 0:
+            self._buckets[principal.key_id] = (self._refill(principal.key_id, tpm) - tokens,
+                                               self._clock())
+
     def admit(self, principal: Limited, estimate: int) -> Lease:
         """Take an in-flight slot and `estimate` tokens for the key, or raise RateLimited
         (429 with Retry-After) and take nothing."""
         key = principal.key_id
-        limit = self.concurrency_for(principal)
-        if limit > 0 and self._in_flight.get(key, 0) >= limit:
-            raise RateLimited(f"Too many requests in flight for this API key: the limit is "
-                              f"{limit} at a time. Retry when one has finished.",
-                              retry_after_s=1)
+        self.check_room(principal)
         tpm = self.tpm_for(principal)
         if tpm > 0:
             tokens = self._refill(key, tpm)

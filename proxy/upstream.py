@@ -199,6 +199,9 @@ class Upstream:
         # The model's context length, from /model_info (the embedded engine) or /v1/models
         # (`max_model_len`, SGLang); None until known.
         self.context_length: int | None = None
+        # How many requests the engine runs at once, when its /model_info says
+        # (`max_running_requests`); the default in-flight limit per key follows it.
+        self.max_running_requests: int | None = None
 
     async def aclose(self) -> None:
         if self.pool is not None:
@@ -281,6 +284,9 @@ class Upstream:
             self.context_length = context
         elif self.context_length is None:
             await self._context_from_models()
+        running = info.get("max_running_requests")
+        if isinstance(running, int) and not isinstance(running, bool) and running > 0:
+            self.max_running_requests = running
         return info
 
     async def _context_from_models(self) -> None:

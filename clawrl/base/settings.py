@@ -43,8 +43,10 @@ class ProxySettings(BaseModel):
     rate_limit_rpm: int = 600
     # Fair share (proxy/limits.py), per key unless the key sets its own; 0 disables.
     # Requests of one key in flight at once: past it, 429 at once rather than a queue
-    # at the engine in front of other keys.
-    max_concurrent: int = 64
+    # at the engine in front of other keys. Unset: a quarter of what the engine runs at
+    # once when it says (`max_running_requests`), else 8 (a quarter of the embedded
+    # engine's batch of 32): four keys at their limit still leave the batch to others.
+    max_concurrent: int | None = None
     # Prompt + completion tokens per minute (admitted on an estimate, corrected by what
     # the engine reports it used).
     rate_limit_tpm: int = 1_000_000
@@ -64,6 +66,20 @@ class ProxySettings(BaseModel):
     served_model_name: str | None = None
     # `max_tokens` above this is refused; unset: the engine's context length (/model_info).
     max_context_tokens: int | None = None
+    # Engine fairness before the body and the engine (proxy/app.py, proxy/prompt_size.py).
+    # A request body must arrive within this long (else 408 and the connection closed).
+    body_timeout_s: float = 30.0
+    # Routes without an API or admin key (the console's sign-in, health): each body at
+    # most this big, and at most this many such bytes buffered at once in total (503).
+    max_unauth_body_bytes: int = 64 * 1024
+    max_unauth_buffered_bytes: int = 8 * 1024 * 1024
+    # The served model's tokenizer.json (or its folder), for counting prompt tokens before
+    # the engine sees them; unset: the engine's `tokenizer_path` / `model_path` from
+    # /model_info when this machine can read it (the embedded engine, or a shared disk).
+    tokenizer_path: Path | None = None
+    # With no tokenizer: the most UTF-8 bytes one token is assumed to cover (prompt tokens
+    # >= text bytes / this). With one, its longest token's length is used instead.
+    max_token_bytes: int = 32
 
 
 class Settings(BaseSettings):

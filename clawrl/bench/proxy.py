@@ -202,7 +202,9 @@ async def make_key(db_url: str, *, log_opt_out: bool = False) -> str:
         await admin.ensure_user(db, "bench")
         if log_opt_out:
             await admin.set_opt_out(db, "bench", logging=True)
-        return (await admin.create_key(db, "bench", name="bench", rate_limit_rpm=0)).secret
+        # One key stands in for every simulated client: no per-key limits.
+        return (await admin.create_key(db, "bench", name="bench", rate_limit_rpm=0,
+                                       max_concurrent=0)).secret
     finally:
         await db.dispose()
 

@@ -108,7 +108,9 @@ async def _make_key(db_url: str, user: str) -> str:
     db = create_async(db_url)
     try:
         await admin.ensure_user(db, user)
-        return (await admin.create_key(db, user, name="clawrl env", rate_limit_rpm=0)).secret
+        # One key for the whole pool of agents: no per-key limit in flight.
+        return (await admin.create_key(db, user, name="clawrl env", rate_limit_rpm=0,
+                                       max_concurrent=0)).secret
     finally:
         await db.dispose()
 

@@ -44,7 +44,9 @@ async def run_agent_rounds(config: EvalConfig, method: str, proxy_url: str, db_u
     db = create_async(db_url)
     try:
         await admin.ensure_user(db, AGENT)
-        key = (await admin.create_key(db, AGENT, name="clawrl eval", rate_limit_rpm=0)).secret
+        # One key for every simulated agent: no per-key limit in flight.
+        key = (await admin.create_key(db, AGENT, name="clawrl eval", rate_limit_rpm=0,
+                                      max_concurrent=0)).secret
     finally:
         await db.dispose()
     base_url = f"{proxy_url}/v1"
