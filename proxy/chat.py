@@ -42,7 +42,7 @@ from clawrl.base.errors import (
     UpstreamError,
     UpstreamTimeout,
 )
-from proxy.auth import Principal
+from proxy.auth import VERIFIER, Principal, require_scope
 from proxy.limits import Lease, estimate_tokens, used_tokens
 from proxy.openai_types import ChatCompletionRequest, parse_chat_request, parse_outcome_header
 from proxy.records import TurnRecord
@@ -221,6 +221,8 @@ class ChatEndpoint:
         if session_ext is not None and len(session_ext) > MAX_SESSION_ID:
             raise BadRequest(f"The X-Session-Id header is longer than {MAX_SESSION_ID} chars.")
         outcome = parse_outcome_header(headers.get(b"x-session-outcome"))
+        if outcome is not None:  # a reward: refused whole, before the engine sees anything
+            require_scope(principal, VERIFIER, "set a session outcome (X-Session-Outcome)")
         if not body.get("model"):
             body["model"] = settings.served_model_name or "default"
         # Fair share last, once the request is known to be valid: a slot among the key's

@@ -40,11 +40,14 @@ async def run_agent_rounds(config: EvalConfig, method: str, proxy_url: str, db_u
     """Create the agent's key, then episodes / wait for training / probe, round by round."""
     from clawrl.base.db import create_async
     from proxy import admin
+    from proxy.auth import VERIFIER
 
     db = create_async(db_url)
     try:
         await admin.ensure_user(db, AGENT)
-        key = (await admin.create_key(db, AGENT, name="clawrl eval", rate_limit_rpm=0)).secret
+        # A verifier key: the agent track posts each episode's verified outcome.
+        key = (await admin.create_key(db, AGENT, name="clawrl eval", rate_limit_rpm=0,
+                                      scopes=[VERIFIER])).secret
     finally:
         await db.dispose()
     base_url = f"{proxy_url}/v1"
