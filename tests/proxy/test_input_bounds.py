@@ -107,7 +107,7 @@ async def test_body_limit_before_auth_on_every_route(proxy_factory: ProxyFactory
                                                      db_url: str) -> None:
     """Admin, feedback and unknown routes all refuse an oversized body with 413 before
     looking at the key (no key is sent) or parsing anything."""
-    proxy = await proxy_factory(closed_port_url(), max_body_bytes=1000, admin_key="sekrit")
+    proxy = await proxy_factory(closed_port_url(), max_body_bytes=1000, admin_key="sekrit-admin-key-0123")
     big = b'{"name": "' + b"x" * 5000 + b'"}'
 
     async def chunks() -> Any:  # no Content-Length: the limit applies while reading

@@ -34,7 +34,7 @@ schemathesis = pytest.importorskip("schemathesis")
 EXAMPLES = 40
 CHAT_EXAMPLES = 150  # the routes that matter most, and the writer behind them
 TURN_ROUTES = ("/v1/chat/completions", "/v1/responses")
-ADMIN_KEY = "admin-sekrit"
+ADMIN_KEY = "admin-sekrit-0123456"
 
 
 class ThreadedProxy:
