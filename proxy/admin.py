@@ -473,7 +473,7 @@ async def http_create_user(body: UserCreate, db: Admin) -> dict[str, Any]:
     return asdict(await create_user(db, body.name))
 
 
-@admin_router.patch("/users/{name}")
+@admin_router.patch("/users/{name:path}")
 async def http_update_user(name: str, body: UserUpdate, db: Admin,
                            request: Request) -> dict[str, Any]:
     user = await set_opt_out(db, name, training=body.train_opt_out, logging=body.log_opt_out)
@@ -481,7 +481,7 @@ async def http_update_user(name: str, body: UserUpdate, db: Admin,
     return asdict(user)
 
 
-@admin_router.delete("/users/{name}")
+@admin_router.delete("/users/{name:path}")
 async def http_delete_user(name: str, db: Admin, request: Request) -> dict[str, Any]:
     writer = getattr(request.app.state, "writer", None)
     counts = await delete_user(db, name, writer.journal if writer is not None else None,

@@ -93,6 +93,8 @@ async def versions_page(request: Request) -> Response:
 @actions.get("/versions/{version}/rollback")
 async def rollback_confirm(request: Request, version: int) -> Response:
     session = await require_session(request)
+    if not 0 <= version <= admin.MAX_LIMIT:  # policy_versions.version is an integer
+        raise BadRequest(f"No version {version}.", code="version_not_found")
     async with request.app.state.db.connect() as conn:
         newer = (await conn.execute(text(
             "SELECT count(*) FROM policy_versions WHERE version > :v "
@@ -136,7 +138,7 @@ ROLLBACK_TIMEOUT_S = 600
 @actions.post("/versions/{version}/rollback")
 async def rollback(request: Request, version: int) -> Response:
     await require_post(request)
-    if version < 0:
+    if not 0 <= version <= admin.MAX_LIMIT:
         raise BadRequest(f"No version {version} (versions count up from 0).")
     settings = request.app.state.settings
     try:

@@ -91,6 +91,8 @@ async def test_odd_parameters_are_400_pages_never_500(console: Console) -> None:
         assert huge.status_code == 404
         odd_user = await client.get("/console/users/%00/delete")
         assert odd_user.status_code == 400
+        version = await client.get("/console/versions/99999999999/rollback")
+        assert version.status_code == 400 and "No version" in version.text
 
 
 async def test_the_sql_box_renders_a_bounded_page(console: Console) -> None:
