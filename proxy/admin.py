@@ -6,14 +6,22 @@ GET/POST /admin/users, PATCH/DELETE /admin/users/{name} (opt-outs / delete),
 GET/POST /admin/keys, POST /admin/keys/{prefix}/revoke. The `clawrl users|keys|sql`
 commands run them from a shell:
 
-    clawrl users create alice [--rpm 60] [--no-key]   # also prints a first key (once)
+    clawrl users create alice [--rpm 60] [--no-key] [--scope verifier]
+                                                       # also prints a first key (once)
     clawrl users list
     clawrl users opt-out alice --training [--logging]  # `opt-in` undoes it
     clawrl users delete alice                          # removes turns, judgments, samples
-    clawrl keys create --user alice [--name laptop] [--rpm 60]
+    clawrl keys create --user alice [--name laptop] [--rpm 60] [--scope verifier]
     clawrl keys list [--user alice]
     clawrl keys revoke PREFIX                          # or the full key
     clawrl sql "SELECT * FROM activity_by_user"
+
+A key's scopes (proxy/auth.py, `SCOPES`) say what it may do beyond chatting: `verifier` sets
+session outcomes (rewards), for environments, graders and admins only.
+
+User names are 1-64 letters, digits and `._@+-`, starting with a letter or digit (`check_name`):
+they appear in URLs, file names and logs. Limits are whole numbers from 0 to 2^31-1 (the
+column type), 0 meaning unlimited.
 
 The database comes from `CLAWRL_DATABASE__URL`, or the embedded Postgres under the state dir.
 """
@@ -36,10 +44,10 @@ from fastapi import APIRouter, Depends, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, SecretStr
 from sqlalchemy import delete, func, insert, select, update
 from sqlalchemy.exc import IntegrityError, InterfaceError, OperationalError
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from clawrl.base.db import (
     AdapterVersion,
@@ -62,8 +70,15 @@ from clawrl.base.errors import (
     Unavailable,
 )
 from clawrl.base.settings import EngineSettings, load_settings
-from proxy.admin_cli import print_csv, print_table, run_cli, run_readonly_sql
-from proxy.auth import bearer_token, generate_key, hash_secret, parse_prefix
+from proxy.admin_cli import print_csv, print_table, run_cli, run_readonly_sql_rows
+from proxy.auth import (
+    SCOPES,
+    bearer_token,
+    check_scopes,
+    generate_key,
+    hash_secret,
+    parse_prefix,
+)
 from proxy.journal import Journal
 
 log = logging.getLogger("clawrl.proxy.admin")
@@ -91,6 +106,7 @@ class KeyInfo:
     rate_limit_rpm: int | None
     max_concurrent: int | None
     rate_limit_tpm: int | None
+    scopes: list[str]
     created_at: dt.datetime
     revoked_at: dt.datetime | None
     last_used_at: dt.datetime | None
@@ -103,32 +119,41 @@ class CreatedKey:
 
 
 _KEY_COLUMNS = (ApiKey.id, ApiKey.prefix, User.name, ApiKey.name, ApiKey.rate_limit_rpm,
-                ApiKey.max_concurrent, ApiKey.rate_limit_tpm, ApiKey.created_at,
+                ApiKey.max_concurrent, ApiKey.rate_limit_tpm, ApiKey.scopes, ApiKey.created_at,
                 ApiKey.revoked_at, ApiKey.last_used_at)
 _USER_COLUMNS = (User.id, User.name, User.created_at, User.train_opt_out, User.log_opt_out)
 
 
+MAX_NAME = 64
+_NAME_PUNCT = frozenset("._@+-")
+
+
 def check_name(name: str) -> str:
+    """A new user's name: 1-64 letters, digits and `._@+-`, starting with a letter or digit.
+    Names go into URLs (the console), file names and log lines: no `/`, spaces, controls."""
     name = name.strip()
-    if not name or len(name) > 200 or not name.isprintable():
-        raise BadRequest("A user name must be 1-200 printable characters.",
-                         code="invalid_user_name")
+    if (not name or len(name) > MAX_NAME or not name[0].isalnum()
+            or not all(c.isalnum() or c in _NAME_PUNCT for c in name)):
+        raise BadRequest(f"A user name must be 1-{MAX_NAME} letters, digits and . _ @ + -, "
+                         f"starting with a letter or digit.", code="invalid_user_name",
+                         param="name")
     return name
 
 
+MAX_LIMIT = 2**31 - 1
+
+
 def check_rpm(rpm: int | None) -> int | None:
-    if rpm is not None and rpm < 0:
-        raise BadRequest("rate_limit_rpm must be >= 0 (0 = unlimited).", code="invalid_rpm")
+    if rpm is not None and not 0 <= rpm <= MAX_LIMIT:
+        raise BadRequest(f"rate_limit_rpm must be between 0 and {MAX_LIMIT} (0 = unlimited).",
+                         code="invalid_rpm", param="rate_limit_rpm")
     return rpm
-
-
-_INT32 = 2**31 - 1
 
 
 def check_limit(name: str, value: int | None) -> int | None:
     """A per-key limit: None (the proxy's default), 0 (unlimited) or a positive number."""
-    if value is not None and not 0 <= value <= _INT32:
-        raise BadRequest(f"{name} must be between 0 and {_INT32} (0 = unlimited).",
+    if value is not None and not 0 <= value <= MAX_LIMIT:
+        raise BadRequest(f"{name} must be between 0 and {MAX_LIMIT} (0 = unlimited).",
                          code="invalid_limit", param=name)
     return value
 
@@ -142,14 +167,44 @@ def _key(row: Sequence[Any]) -> KeyInfo:
 
 
 async def create_user(db: AsyncEngine, name: str) -> UserInfo:
+    return (await create_user_with_key(db, name, key=None))[0]
+
+
+@dataclass(frozen=True)
+class KeyParams:
+    """What a new key is issued with; checked before anything is written (`checked`)."""
+
+    name: str | None = None
+    rate_limit_rpm: int | None = None
+    max_concurrent: int | None = None
+    rate_limit_tpm: int | None = None
+    scopes: Sequence[str] = ()
+
+    def checked(self) -> KeyParams:
+        check_rpm(self.rate_limit_rpm)
+        check_limit("max_concurrent", self.max_concurrent)
+        check_limit("rate_limit_tpm", self.rate_limit_tpm)
+        if self.name is not None and len(self.name) > 200:
+            raise BadRequest("A key's name must be at most 200 characters.",
+                             code="invalid_key_name", param="name")
+        return KeyParams(self.name, self.rate_limit_rpm, self.max_concurrent,
+                         self.rate_limit_tpm, check_scopes(list(self.scopes)))
+
+
+async def create_user_with_key(db: AsyncEngine, name: str, *, key: KeyParams | None
+                               ) -> tuple[UserInfo, CreatedKey | None]:
+    """Create a user and, unless `key` is None, its first key, in one transaction: when
+    anything is refused (a bad limit, a taken name) nothing is created."""
     name = check_name(name)
+    params = key.checked() if key is not None else None
     try:
         async with db.begin() as conn:
             row = (await conn.execute(
                 insert(User).values(name=name).returning(*_USER_COLUMNS))).one()
+            created = None if params is None else await _insert_key(conn, row[0], params)
     except IntegrityError as exc:
         raise Conflict(f"User {name!r} already exists.", code="user_exists") from exc
-    return _user(row)
+    return _user(row), created
 
 
 async def get_user(db: AsyncEngine, name: str) -> UserInfo:
@@ -257,23 +312,28 @@ async def set_opt_out(db: AsyncEngine, name: str, *, training: bool | None = Non
 
 async def create_key(db: AsyncEngine, user: str, *, name: str | None = None,
                      rate_limit_rpm: int | None = None, max_concurrent: int | None = None,
-                     rate_limit_tpm: int | None = None) -> CreatedKey:
+                     rate_limit_tpm: int | None = None,
+                     scopes: Sequence[str] = ()) -> CreatedKey:
     """Issue a key for `user`. Only its hash is stored: `secret` cannot be shown again.
-    Limits left None follow the proxy's defaults; 0 is unlimited (proxy/limits.py)."""
-    check_rpm(rate_limit_rpm)
-    check_limit("max_concurrent", max_concurrent)
-    check_limit("rate_limit_tpm", rate_limit_tpm)
-    new = generate_key()
+    Limits left None follow the proxy's defaults; 0 is unlimited (proxy/limits.py).
+    `scopes`: what it may do beyond chatting (proxy/auth.py, SCOPES), none by default."""
+    params = KeyParams(name, rate_limit_rpm, max_concurrent, rate_limit_tpm, scopes).checked()
     async with db.begin() as conn:
         user_id = (await conn.execute(select(User.id).where(User.name == user))).scalar()
         if user_id is None:
             raise NotFound(f"No user named {user!r}.", code="user_not_found")
-        key_id = (await conn.execute(insert(ApiKey).values(
-            user_id=user_id, prefix=new.prefix, secret_hash=new.hash, name=name,
-            rate_limit_rpm=rate_limit_rpm, max_concurrent=max_concurrent,
-            rate_limit_tpm=rate_limit_tpm).returning(ApiKey.id))).scalar_one()
-        row = (await conn.execute(select(*_KEY_COLUMNS).join(User, User.id == ApiKey.user_id)
-                                  .where(ApiKey.id == key_id))).one()
+        return await _insert_key(conn, user_id, params)
+
+
+async def _insert_key(conn: AsyncConnection, user_id: int, params: KeyParams) -> CreatedKey:
+    new = generate_key()
+    key_id = (await conn.execute(insert(ApiKey).values(
+        user_id=user_id, prefix=new.prefix, secret_hash=new.hash, name=params.name,
+        rate_limit_rpm=params.rate_limit_rpm, max_concurrent=params.max_concurrent,
+        rate_limit_tpm=params.rate_limit_tpm, scopes=list(params.scopes))
+        .returning(ApiKey.id))).scalar_one()
+    row = (await conn.execute(select(*_KEY_COLUMNS).join(User, User.id == ApiKey.user_id)
+                              .where(ApiKey.id == key_id))).one()
     return CreatedKey(info=_key(row), secret=new.secret)
 
 
@@ -337,6 +397,27 @@ def _validation_message(exc: RequestValidationError) -> str:
     return f"Invalid request body: {where or 'body'}: {first.get('msg', 'invalid')}."
 
 
+# The admin key guards the admin API and the console; `clawrl up` generates 52 characters.
+MIN_ADMIN_KEY = 16
+
+
+def admin_key_problem(secret: SecretStr | None) -> str | None:
+    """Why the configured admin key may not be used, or None (unset, the admin API and the
+    console off, is fine). An empty or short key would open both to a guess."""
+    if secret is None:
+        return None
+    key = secret.get_secret_value()
+    if not key.strip():
+        return ("CLAWRL_PROXY__ADMIN_KEY is set but empty: unset it to turn the admin API and "
+                "console off, or set a random key of at least "
+                f"{MIN_ADMIN_KEY} characters")
+    if len(key.strip()) < MIN_ADMIN_KEY:
+        return (f"CLAWRL_PROXY__ADMIN_KEY is {len(key.strip())} characters; it must be at least "
+                f"{MIN_ADMIN_KEY} (e.g. python -c 'import secrets; "
+                "print(secrets.token_urlsafe(32))')")
+    return None
+
+
 def require_admin(request: Request) -> AsyncEngine:
     """The admin key guard; returns the database. 403 when the admin API is disabled."""
     admin_key = request.app.state.settings.proxy.admin_key
@@ -375,6 +456,7 @@ class KeyCreate(BaseModel):
     rate_limit_rpm: int | None = None
     max_concurrent: int | None = None
     rate_limit_tpm: int | None = None
+    scopes: list[str] = []
 
 
 Admin = Annotated[AsyncEngine, Depends(require_admin)]
@@ -391,7 +473,7 @@ async def http_create_user(body: UserCreate, db: Admin) -> dict[str, Any]:
     return asdict(await create_user(db, body.name))
 
 
-@admin_router.patch("/users/{name}")
+@admin_router.patch("/users/{name:path}")
 async def http_update_user(name: str, body: UserUpdate, db: Admin,
                            request: Request) -> dict[str, Any]:
     user = await set_opt_out(db, name, training=body.train_opt_out, logging=body.log_opt_out)
@@ -399,7 +481,7 @@ async def http_update_user(name: str, body: UserUpdate, db: Admin,
     return asdict(user)
 
 
-@admin_router.delete("/users/{name}")
+@admin_router.delete("/users/{name:path}")
 async def http_delete_user(name: str, db: Admin, request: Request) -> dict[str, Any]:
     writer = getattr(request.app.state, "writer", None)
     counts = await delete_user(db, name, writer.journal if writer is not None else None,
@@ -417,7 +499,7 @@ async def http_list_keys(db: Admin, user: str | None = None) -> dict[str, Any]:
 async def http_create_key(body: KeyCreate, db: Admin) -> dict[str, Any]:
     key = await create_key(db, body.user, name=body.name, rate_limit_rpm=body.rate_limit_rpm,
                            max_concurrent=body.max_concurrent,
-                           rate_limit_tpm=body.rate_limit_tpm)
+                           rate_limit_tpm=body.rate_limit_tpm, scopes=body.scopes)
     return {**asdict(key.info), "key": key.secret}
 
 
@@ -448,16 +530,22 @@ def _print_users(users: Sequence[UserInfo]) -> None:
 
 def _print_keys(keys: Sequence[KeyInfo]) -> None:
     print_table(["id", "prefix", "user", "name", "rate_limit_rpm", "max_concurrent",
-                 "rate_limit_tpm", "created_at", "revoked_at", "last_used_at"],
-                [tuple(asdict(k).values()) for k in keys])
+                 "rate_limit_tpm", "scopes", "created_at", "revoked_at", "last_used_at"],
+                [tuple(",".join(v) if isinstance(v, list) else v for v in asdict(k).values())
+                 for k in keys])
 
 
 def _print_new_key(key: CreatedKey) -> None:
-    print(f"API key for {key.info.user} (prefix {key.info.prefix}); shown once, store it now:")
+    scopes = f", scopes: {', '.join(key.info.scopes)}" if key.info.scopes else ""
+    print(f"API key for {key.info.user} (prefix {key.info.prefix}{scopes}); shown once, "
+          f"store it now:")
     print(key.secret)
 
 
 def _limit_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--scope", action="append", default=[], choices=sorted(SCOPES),
+                   dest="scopes", help="what the key may do beyond chatting (repeatable): "
+                   + "; ".join(f"{k}: {v}" for k, v in SCOPES.items()))
     p.add_argument("--concurrent", type=int, metavar="N",
                    help="requests of the key in flight at once (0 = unlimited; default: the "
                         "proxy's, CLAWRL_PROXY__MAX_CONCURRENT)")
@@ -488,15 +576,12 @@ def users_main(argv: list[str]) -> int:
 
     async def op(db: AsyncEngine) -> int:
         if args.cmd == "create":
-            check_rpm(args.rpm)
-            check_limit("max_concurrent", args.concurrent)
-            check_limit("rate_limit_tpm", args.tpm)
-            user = await create_user(db, args.name)
+            user, key = await create_user_with_key(db, args.name, key=None if args.no_key else
+                                                   KeyParams(None, args.rpm, args.concurrent,
+                                                             args.tpm, args.scopes))
             print(f"created user {user.name} (id {user.id})")
-            if not args.no_key:
-                _print_new_key(await create_key(db, user.name, rate_limit_rpm=args.rpm,
-                                                max_concurrent=args.concurrent,
-                                                rate_limit_tpm=args.tpm))
+            if key is not None:
+                _print_new_key(key)
         elif args.cmd == "list":
             _print_users(await list_users(db))
         elif args.cmd == "delete":
@@ -534,7 +619,7 @@ def keys_main(argv: list[str]) -> int:
             _print_new_key(await create_key(db, args.user, name=args.name,
                                             rate_limit_rpm=args.rpm,
                                             max_concurrent=args.concurrent,
-                                            rate_limit_tpm=args.tpm))
+                                            rate_limit_tpm=args.tpm, scopes=args.scopes))
         elif args.cmd == "list":
             _print_keys(await list_keys(db, args.user))
         else:
@@ -543,6 +628,10 @@ def keys_main(argv: list[str]) -> int:
         return 0
 
     return _run("clawrl keys", op)
+
+
+# `clawrl sql` prints at most this many rows unless told otherwise (--limit).
+SQL_CLI_ROWS = 10_000
 
 
 def sql_main(argv: list[str]) -> int:
@@ -554,15 +643,24 @@ def sql_main(argv: list[str]) -> int:
     p.add_argument("--timeout", type=float, default=60.0, help="statement timeout, seconds")
     p.add_argument("--max-width", type=int, default=80, help="cut cells wider than this (0: no)")
     p.add_argument("--csv", action="store_true", help="print CSV (full cells) instead")
+    p.add_argument("--limit", type=int, default=SQL_CLI_ROWS, metavar="N",
+                   help=f"print at most N rows (default {SQL_CLI_ROWS}; 0: all)")
     args = p.parse_args(argv)
+    if args.limit < 0 or args.max_width < 0:
+        p.error("--limit and --max-width must be 0 or more")
 
     def op(url: str) -> int:
-        columns, rows = run_readonly_sql(url, args.query, timeout_s=args.timeout)
+        columns, rows, total = run_readonly_sql_rows(url, args.query, timeout_s=args.timeout,
+                                                     max_rows=args.limit or None)
+        cut = (f"first {len(rows)} of {total} rows; --limit 0 prints all"
+               if total > len(rows) else "")
         if args.csv:
             print_csv(columns, rows)
+            if cut:
+                print(f"clawrl sql: {cut}", file=sys.stderr)
             return 0
         print_table(columns, rows, max_width=args.max_width)
-        print(f"({len(rows)} row{'s' if len(rows) != 1 else ''})")
+        print(f"({cut})" if cut else f"({total} row{'s' if total != 1 else ''})")
         return 0
 
     return run_cli("clawrl sql", op)

@@ -110,6 +110,15 @@ def _connect_as_sql_role(url: str) -> psycopg.Connection[Any]:
 def run_readonly_sql(url: str, query: str, *, timeout_s: float = 60.0
                      ) -> tuple[list[str], list[tuple[Any, ...]]]:
     """Run one statement as `clawrl_sql`, read-only; return its column names and rows."""
+    columns, rows, _ = run_readonly_sql_rows(url, query, timeout_s=timeout_s)
+    return columns, rows
+
+
+def run_readonly_sql_rows(url: str, query: str, *, timeout_s: float = 60.0,
+                          max_rows: int | None = None
+                          ) -> tuple[list[str], list[tuple[Any, ...]], int]:
+    """As `run_readonly_sql`, but only the first `max_rows` rows become Python values (None:
+    all); returns the column names, those rows and how many rows the statement gave."""
     if not query.strip():
         raise SqlError("Empty query.")
     if not 0 < timeout_s <= MAX_TIMEOUT_S:
@@ -124,12 +133,16 @@ def run_readonly_sql(url: str, query: str, *, timeout_s: float = 60.0
             # prepare=True forces the extended protocol: exactly one statement.
             cur.execute(query, prepare=True)
             columns = [d.name for d in cur.description or []]
-            rows = cur.fetchall() if cur.description else []
+            rows: list[tuple[Any, ...]] = []
+            total = 0
+            if cur.description:
+                rows = cur.fetchall() if max_rows is None else cur.fetchmany(max_rows)
+                total = max(cur.rowcount, len(rows))
         except psycopg.Error as exc:
             raise SqlError(first_line(exc)) from exc
         finally:
             conn.rollback()
-    return columns, rows
+    return columns, rows, total
 
 
 def format_cell(value: Any, max_width: int = 0) -> str:

@@ -247,6 +247,11 @@ def create_app(settings: Settings, *, db_url: str | None = None,
             raise ValueError("create_app needs a database URL (settings.database.url)")
         db_url = settings.database.url.get_secret_value()
     cfg = settings.proxy
+    from proxy.admin import admin_key_problem
+
+    problem = admin_key_problem(cfg.admin_key)
+    if problem:  # never a console or admin API behind an empty or guessable key
+        raise ValueError(problem)
     # A journal left by an older proxy (one JSONL file) is adopted as its oldest segment.
     legacy = settings.state_dir / "journal.jsonl" if cfg.journal_path is None else None
     journal = Journal(settings.journal_file(), legacy=legacy)
@@ -345,6 +350,12 @@ def main(argv: list[str]) -> int:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
         print(f"clawrl proxy: bad setting {where}: {first['msg']}", file=sys.stderr)
+        return 2
+    from proxy.admin import admin_key_problem
+
+    problem = admin_key_problem(settings.proxy.admin_key)
+    if problem:
+        print(f"clawrl proxy: {problem}", file=sys.stderr)
         return 2
     parser = argparse.ArgumentParser(prog="clawrl proxy",
                                      description="Run the OpenAI-compatible proxy.")

@@ -8,6 +8,11 @@ constant-time (`hmac.compare_digest`).
 The serving path uses `Authenticator.authenticate(headers)`: a short-lived in-process
 cache of principals (so most requests cost no database round trip) and a per-key
 `RateLimiter`; `Authenticator.limits` holds the per-key fair-share limits (proxy/limits.py).
+
+Scopes (`api_keys.scopes`) say what a key may do beyond chatting and giving feedback on its
+own turns. `verifier` lets a key set session outcomes (`POST /v1/sessions/{id}/outcome`, the
+`X-Session-Outcome` header), which the trainer trains with as rewards: environments, graders
+and admins hold it, an ordinary user's key does not (`require_scope`, 403 `missing_scope`).
 """
 
 from __future__ import annotations
@@ -27,11 +32,16 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from clawrl.base.db import ApiKey, User, UserAdapter
-from clawrl.base.errors import RateLimited, Unauthorized, Unavailable
+from clawrl.base.errors import BadRequest, Forbidden, RateLimited, Unauthorized, Unavailable
 from clawrl.base.settings import ProxySettings
 from proxy.limits import KeyLimits
 
 KEY_PREFIX = "ck"
+
+# Sets session outcomes, which become rewards: environments, graders, admins.
+VERIFIER = "verifier"
+# Every scope a key may hold, with what it allows (for help texts and errors).
+SCOPES: dict[str, str] = {VERIFIER: "set session outcomes (rewards the trainer trains with)"}
 
 
 @dataclass(frozen=True)
@@ -51,6 +61,29 @@ class Principal:
     # requests are sent with `lora_path: adapter` (docs/proxy.md, "Personal adapters").
     adapter: str | None = None
     adapter_version: int | None = None
+    # What the key may do beyond chatting (SCOPES); refreshed with the rest within the TTL.
+    scopes: frozenset[str] = frozenset()
+
+
+def check_scopes(scopes: object) -> list[str]:
+    """Scopes as given to the admin API, CLI or console: known names only, each once,
+    sorted; a clear 400 otherwise."""
+    if isinstance(scopes, str) or not isinstance(scopes, (list, tuple, set, frozenset)):
+        raise BadRequest("scopes must be a list of scope names.", code="invalid_scope",
+                         param="scopes")
+    unknown = sorted({str(s) for s in scopes} - SCOPES.keys())
+    if unknown:
+        raise BadRequest(f"Unknown scope {unknown[0]!r}; known scopes: "
+                         f"{', '.join(sorted(SCOPES))}.", code="invalid_scope", param="scopes")
+    return sorted({str(s) for s in scopes})
+
+
+def require_scope(principal: Principal, scope: str, what: str) -> None:
+    """403 `missing_scope` unless the key holds `scope`; `what` names the refused act."""
+    if scope not in principal.scopes:
+        raise Forbidden(f"This API key may not {what}: that needs a key with the {scope!r} "
+                        f"scope (`clawrl keys create --user NAME --scope {scope}`).",
+                        code="missing_scope")
 
 
 @dataclass(frozen=True)
@@ -99,7 +132,7 @@ async def lookup_principal(db: AsyncEngine, full_key: str) -> Principal:
             select(ApiKey.id, ApiKey.secret_hash, ApiKey.revoked_at, ApiKey.rate_limit_rpm,
                    User.id, User.name, User.train_opt_out, User.log_opt_out,
                    ApiKey.max_concurrent, ApiKey.rate_limit_tpm,
-                   UserAdapter.name, UserAdapter.version)
+                   UserAdapter.name, UserAdapter.version, ApiKey.scopes)
             .join(User, User.id == ApiKey.user_id)
             # A user who opted out of training has no adapter (the trainer also removes it).
             .outerjoin(UserAdapter, (UserAdapter.user_id == User.id) & UserAdapter.loaded
@@ -114,7 +147,8 @@ async def lookup_principal(db: AsyncEngine, full_key: str) -> Principal:
         raise Unauthorized("This API key has been revoked.", code="revoked_api_key")
     return Principal(user_id=row[4], user_name=row[5], key_id=row[0], rate_limit_rpm=row[3],
                      train_opt_out=row[6], log_opt_out=row[7], max_concurrent=row[8],
-                     rate_limit_tpm=row[9], adapter=row[10], adapter_version=row[11])
+                     rate_limit_tpm=row[9], adapter=row[10], adapter_version=row[11],
+                     scopes=frozenset(row[12] or ()))
 
 
 # --- Serving-path authentication: cached lookups and per-key rate limits -----------------

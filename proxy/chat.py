@@ -44,7 +44,7 @@ from clawrl.base.errors import (
     UpstreamError,
     UpstreamTimeout,
 )
-from proxy.auth import Principal
+from proxy.auth import VERIFIER, Principal, require_scope
 from proxy.limits import DEFAULT_COMPLETION_ESTIMATE, Lease, estimate_tokens, used_tokens
 from proxy.openai_types import ChatCompletionRequest, parse_chat_request, parse_outcome_header
 from proxy.prompt_size import PromptText, prompt_text, refusal, too_long
@@ -284,6 +284,8 @@ class ChatEndpoint:
         if session_ext is not None and len(session_ext) > MAX_SESSION_ID:
             raise BadRequest(f"The X-Session-Id header is longer than {MAX_SESSION_ID} chars.")
         outcome = parse_outcome_header(headers.get(b"x-session-outcome"))
+        if outcome is not None:  # a reward: refused whole, before the engine sees anything
+            require_scope(principal, VERIFIER, "set a session outcome (X-Session-Outcome)")
         if not body.get("model"):
             body["model"] = settings.served_model_name or "default"
         # The prompt's size before the engine sees it (proxy/prompt_size.py): its bytes

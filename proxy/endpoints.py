@@ -21,7 +21,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from clawrl.base.db import Feedback, Turn
 from clawrl.base.errors import NotFound, PayloadTooLarge, Unavailable
-from proxy.auth import Principal
+from proxy.auth import VERIFIER, Principal, require_scope
 from proxy.openai_types import (
     ChatCompletionRequest,
     FeedbackRequest,
@@ -103,9 +103,11 @@ async def post_feedback(request: Request) -> dict[str, Any]:
 @router.post("/v1/sessions/{session_id}/outcome")
 async def post_outcome(request: Request, session_id: str) -> dict[str, Any]:
     """A verifier's outcome in [-1, 1] for one of the caller's sessions, named by its
-    `X-Session-Id` or by the proxy's session UUID (docs/proxy.md, "Session outcomes")."""
+    `X-Session-Id` or by the proxy's session UUID (docs/proxy.md, "Session outcomes").
+    Only a key with the `verifier` scope may: an outcome is a reward the model trains with."""
     state = request.app.state
     principal = await _principal(request)
+    require_scope(principal, VERIFIER, "set a session outcome")
     body = parse_outcome(await read_body(request, state.settings.proxy.max_body_bytes))
     # Another user's session is answered like a missing one: nothing says it exists.
     not_found = NotFound(f"No session {session_id!r} for this API key's user.",

@@ -217,9 +217,14 @@ class Journal:
         return removed
 
     def _filter_segment(self, segment: Path, user_id: int) -> int:
+        """Rewrite `segment` without `user_id`'s turns. The copy is owner-only (0600) from
+        its creation, like every segment: it holds other users' messages."""
         tmp = segment.with_suffix(".tmp")
         removed = 0
-        with segment.open("rb") as src, open(tmp, "wb") as dst:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()  # a crash's leftover, whatever its mode
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with segment.open("rb") as src, os.fdopen(fd, "wb") as dst:
             for line in src:
                 try:
                     owner = json.loads(line).get("user_id")

@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import json
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,15 +55,16 @@ def turns_locked(db_url: str) -> Iterator[None]:
 
 
 def create_user(db_url: str, name: str, *, train_opt_out: bool = False,
-                log_opt_out: bool = False) -> tuple[int, str]:
-    """Insert a user and one API key; returns (user_id, full key)."""
+                log_opt_out: bool = False, scopes: Sequence[str] = ()) -> tuple[int, str]:
+    """Insert a user and one API key (with `scopes`, e.g. ["verifier"] to set session
+    outcomes); returns (user_id, full key)."""
     key = generate_key()
     with psycopg.connect(libpq(db_url), autocommit=True) as conn:
         user_id = conn.execute(
             "INSERT INTO users (name, train_opt_out, log_opt_out) VALUES (%s, %s, %s) "
             "RETURNING id", (name, train_opt_out, log_opt_out)).fetchone()[0]  # type: ignore[index]
-        conn.execute("INSERT INTO api_keys (user_id, prefix, secret_hash) VALUES (%s, %s, %s)",
-                     (user_id, key.prefix, key.hash))
+        conn.execute("INSERT INTO api_keys (user_id, prefix, secret_hash, scopes) "
+                     "VALUES (%s, %s, %s, %s)", (user_id, key.prefix, key.hash, list(scopes)))
     return user_id, key.secret
 
 

@@ -1,14 +1,27 @@
 """Where a running `clawrl up` says what it serves, so admin commands find it from any folder.
 
-`clawrl up` writes one small JSON file, readable by its user only (0600 from creation):
+`clawrl up` writes one small JSON file twice, readable by its user only (0600 from
+creation): in its state dir (`<state-dir>/stack.json`) and as the user's "last started"
+stack:
 
     $CLAWRL_STATE_FILE, else $XDG_STATE_HOME/clawrl/stack.json,
     else ~/.local/state/clawrl/stack.json
 
 naming its pid (and the pid's start time, so a reused pid is not mistaken for it), state
-dir, database URL, proxy and engine URLs and the engine's key. It is removed on a clean
-stop; a file whose process is gone is stale and ignored. `clawrl users|keys|sql|versions`
-read it (through `apply_to_env`) unless `CLAWRL_DATABASE__URL` is set.
+dir, database URL, proxy and engine URLs and the engine's key. Both are removed on a clean
+stop; a file whose process is gone is stale and ignored.
+
+`clawrl users|keys|sql|versions|db` pick the stack they act on (`choose_stack`), first match
+wins, so a delete or a rollback never lands on another stack than the one meant:
+
+1. `CLAWRL_DATABASE__URL`: that database, nothing of any stack's;
+2. an explicit state dir (`--state-dir`, `CLAWRL_STATE_DIR`): the stack running there, else
+   that dir's own embedded database (never the last started stack);
+3. the current folder's state dir (`./.clawrl`, as `clawrl up` would use from here), when a
+   stack runs there or its embedded database exists;
+4. the last started stack (the user's file above).
+
+When the stack chosen is not the last started one, the command says which it acts on.
 """
 
 from __future__ import annotations
@@ -16,7 +29,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -60,21 +74,35 @@ def _process_start(pid: int) -> str | None:
     return stat.rsplit(")", 1)[1].split()[19]
 
 
+STACK_FILE = "stack.json"  # a state dir's own record of the stack running on it
+
+
 def write_stack(info: dict[str, Any]) -> Path:
-    """Record this process as the running stack."""
+    """Record this process as the running stack: in its state dir (`info["state_dir"]`)
+    and as the user's last started stack. Returns the latter's path."""
     path = state_file()
     record = {"pid": os.getpid(), "pid_start": _process_start(os.getpid()), **info}
-    write_secret(path, json.dumps(record, indent=2) + "\n")
+    text = json.dumps(record, indent=2) + "\n"
+    if info.get("state_dir"):
+        write_secret(Path(info["state_dir"]) / STACK_FILE, text)
+    write_secret(path, text)
     return path
 
 
-def remove_stack() -> None:
-    """Remove the record if it is this process's (another stack may have replaced it)."""
+def remove_stack(state_dir: Path | None = None) -> None:
+    """Remove the records that are this process's (another stack may have replaced the
+    user's file): the user's file and the one in `state_dir` (or the dir it names)."""
     path = state_file()
     record = _read(path)
-    if record is not None and record.get("pid") == os.getpid():
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
+    paths = [path]
+    named = state_dir or (record or {}).get("state_dir")
+    if named:
+        paths.append(Path(named) / STACK_FILE)
+    for where in paths:
+        mine = _read(where)
+        if mine is not None and mine.get("pid") == os.getpid():
+            with contextlib.suppress(FileNotFoundError):
+                where.unlink()
 
 
 def _read(path: Path) -> dict[str, Any] | None:
@@ -85,9 +113,9 @@ def _read(path: Path) -> dict[str, Any] | None:
     return record if isinstance(record, dict) else None
 
 
-def running_stack() -> dict[str, Any] | None:
-    """The record of the running stack, or None (no file, unreadable, or stale)."""
-    record = _read(state_file())
+def _live(path: Path) -> dict[str, Any] | None:
+    """The record at `path` while its process runs, else None (none, unreadable, stale)."""
+    record = _read(path)
     if record is None or not isinstance(record.get("pid"), int):
         return None
     start = _process_start(record["pid"])
@@ -96,22 +124,85 @@ def running_stack() -> dict[str, Any] | None:
     return record
 
 
+def running_stack() -> dict[str, Any] | None:
+    """The record of the last started stack while it runs, or None."""
+    return _live(state_file())
+
+
+def stack_in(state_dir: Path) -> dict[str, Any] | None:
+    """The record of the stack running on `state_dir`, or None."""
+    record = _live(state_dir / STACK_FILE)
+    if record is not None:
+        return record
+    last = running_stack()  # a stack that wrote only the user's file names its dir there
+    if last is not None and _same_dir(last.get("state_dir"), state_dir):
+        return last
+    return None
+
+
+def _same_dir(a: object, b: Path) -> bool:
+    if not a:
+        return False
+    try:
+        return Path(str(a)).resolve() == b.resolve()
+    except OSError:
+        return False
+
+
+@dataclass(frozen=True)
+class StackChoice:
+    """The stack an admin command acts on and why (`choose_stack`)."""
+
+    record: dict[str, Any] | None  # the running stack used, None: none (see `source`)
+    state_dir: Path | None  # the state dir acted on, when known
+    # database_url | state_dir (explicit) | folder (./.clawrl) | last_started | none
+    source: str
+    note: str | None = None  # a line for the user when another stack is not acted on
+
+
+def choose_stack(environ: Mapping[str, str], cwd: Path | None = None) -> StackChoice:
+    """Which stack an admin command acts on, by the precedence in this module's docstring."""
+    last = running_stack()
+    last_dir = str(last.get("state_dir") or "?") if last is not None else None
+    if environ.get("CLAWRL_DATABASE__URL"):
+        return StackChoice(None, None, "database_url")
+    here = (cwd or Path.cwd())
+    explicit = environ.get("CLAWRL_STATE_DIR")
+    if explicit:
+        state_dir, source = (here / Path(explicit).expanduser()).resolve(), "state_dir"
+    else:
+        state_dir, source = (here / ".clawrl").resolve(), "folder"
+        if stack_in(state_dir) is None and not (state_dir / "pg" / "PG_VERSION").is_file():
+            if last is None:
+                return StackChoice(None, None, "none")
+            return StackChoice(last, Path(last_dir) if last_dir and last_dir != "?" else None,
+                               "last_started")
+    record = stack_in(state_dir)
+    note = None
+    if last is not None and not _same_dir(last_dir, state_dir):
+        how = ("the state dir given" if source == "state_dir"
+               else "the state dir of this folder")
+        note = (f"acting on the stack in {state_dir} ({how}; "
+                f"{'running' if record else 'not running'}), not the last started one in "
+                f"{last_dir}; pass --state-dir DIR to choose")
+    return StackChoice(record, state_dir, source, note)
+
+
 # Record field -> the environment variable that hands it to a command's settings.
 _ENV = {"database_url": "CLAWRL_DATABASE__URL", "state_dir": "CLAWRL_STATE_DIR",
         "engine_url": "CLAWRL_ENGINE__URL", "engine_api_key": "CLAWRL_ENGINE__API_KEY"}
 
 
-def apply_to_env(environ: MutableMapping[str, str]) -> dict[str, Any] | None:
-    """Point an admin command at the running stack: unless `CLAWRL_DATABASE__URL` is set
-    (an explicit database wins, and then nothing of the stack's is used), copy the stack's
-    database, state dir and engine into `environ` where not set. Returns the record used."""
-    if environ.get("CLAWRL_DATABASE__URL"):
-        return None
-    record = running_stack()
-    if record is None:
-        return None
-    for field, var in _ENV.items():
-        value = record.get(field)
-        if value and not environ.get(var):
-            environ[var] = str(value)
-    return record
+def apply_to_env(environ: MutableMapping[str, str], cwd: Path | None = None) -> StackChoice:
+    """Point an admin command at its stack (`choose_stack`): copy the chosen stack's
+    database, state dir and engine into `environ` where not set; with no running stack
+    chosen but a state dir, set that state dir (its embedded database is then used)."""
+    choice = choose_stack(environ, cwd)
+    if choice.record is not None:
+        for field, var in _ENV.items():
+            value = choice.record.get(field)
+            if value and not environ.get(var):
+                environ[var] = str(value)
+    elif choice.state_dir is not None and not environ.get("CLAWRL_STATE_DIR"):
+        environ["CLAWRL_STATE_DIR"] = str(choice.state_dir)
+    return choice

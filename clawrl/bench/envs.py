@@ -38,6 +38,7 @@ from clawrl.base.dbcli import upgrade
 from clawrl.bench.procs import BenchProcs
 from clawrl.bench.proxy import bench_database, make_key, pct
 from clawrl.envs.pool import PoolConfig, PoolResult, run_pool
+from proxy.auth import VERIFIER
 
 
 def _cpu_self() -> float:
@@ -164,7 +165,7 @@ def main(argv: list[str]) -> int:
     try:
         with bench_database(state_dir) as db_url:
             upgrade(db_url)
-            key = asyncio.run(make_key(db_url))
+            key = asyncio.run(make_key(db_url, scopes=[VERIFIER]))  # episodes post outcomes
             with BenchProcs(db_url, state_dir) as procs:
                 procs.configure(tool_command=args.command, reply_s=args.reply_s, tokens=16)
                 rows = measure(procs, db_url, key, args)

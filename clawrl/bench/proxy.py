@@ -32,7 +32,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Coroutine, Iterator
+from collections.abc import Coroutine, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -196,7 +196,9 @@ def bench_database(state_dir: Path) -> Iterator[str]:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
-async def make_key(db_url: str, *, log_opt_out: bool = False) -> str:
+async def make_key(db_url: str, *, log_opt_out: bool = False,
+                   scopes: Sequence[str] = ()) -> str:
+    """The bench user's key, unlimited; `scopes` e.g. ["verifier"] to post outcomes."""
     db = create_async(db_url)
     try:
         await admin.ensure_user(db, "bench")
@@ -204,7 +206,7 @@ async def make_key(db_url: str, *, log_opt_out: bool = False) -> str:
             await admin.set_opt_out(db, "bench", logging=True)
         # One key stands in for every simulated client: no per-key limits.
         return (await admin.create_key(db, "bench", name="bench", rate_limit_rpm=0,
-                                       max_concurrent=0)).secret
+                                       max_concurrent=0, scopes=scopes)).secret
     finally:
         await db.dispose()
 

@@ -4,9 +4,11 @@ Each subcommand lives in its own module and is imported only when it runs, so
 `clawrl --help` answers instantly and the proxy never imports torch.
 Every subcommand function takes its argv list and returns an exit code.
 
-Admin commands (ADMIN_COMMANDS) work on the running `clawrl up` from any folder: unless
-`CLAWRL_DATABASE__URL` is set, its state file (clawrl/base/statefile.py) supplies the database,
-state dir and engine; with none running they refuse in one line rather than create a database.
+Admin commands (ADMIN_COMMANDS) work on a `clawrl up` from any folder: `CLAWRL_DATABASE__URL`,
+else the stack of `--state-dir DIR` (or `CLAWRL_STATE_DIR`), else the stack of this folder's
+`.clawrl`, else the last started stack (clawrl/base/statefile.py, `choose_stack`) supplies the
+database, state dir and engine, and the command says which stack it acts on when that is not
+the last started one; with none they refuse in one line rather than create a database.
 """
 
 from __future__ import annotations
@@ -61,6 +63,29 @@ def bench_main(argv: list[str]) -> int:
     return code
 
 
+def take_state_dir(args: list[str]) -> tuple[list[str], str | None]:
+    """An admin command's `--state-dir DIR` (or `--state-dir=DIR`), anywhere before `--`:
+    removed from its arguments and returned ("" when the folder is missing)."""
+    out: list[str] = []
+    found: str | None = None
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg == "--":
+            out += args[i:]
+            break
+        if arg == "--state-dir":
+            found = args[i + 1] if i + 1 < len(args) else ""
+            i += 2
+            continue
+        if arg.startswith("--state-dir="):
+            found = arg.split("=", 1)[1]
+        else:
+            out.append(arg)
+        i += 1
+    return out, found
+
+
 def usage() -> str:
     lines = ["usage: clawrl COMMAND [ARGS]", "", "commands:"]
     lines += [f"  {name:<10} {help_}" for name, (_, _, help_) in COMMANDS.items()]
@@ -83,7 +108,15 @@ def main(argv: list[str] | None = None) -> int:
     if name in ADMIN_COMMANDS:
         from clawrl.base.statefile import apply_to_env
 
-        apply_to_env(os.environ)
+        rest, state_dir = take_state_dir(rest)
+        if state_dir == "":
+            print(f"clawrl {name}: --state-dir needs a folder", file=sys.stderr)
+            return 2
+        if state_dir is not None:
+            os.environ["CLAWRL_STATE_DIR"] = state_dir
+        choice = apply_to_env(os.environ)
+        if choice.note:
+            print(f"clawrl {name}: {choice.note}", file=sys.stderr)
     try:
         fn = getattr(importlib.import_module(module), func)
     except ImportError as exc:

@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import IO, NoReturn
 
 import httpx
+from pydantic import SecretStr
 from sqlalchemy.exc import ArgumentError, DBAPIError
 
 from clawrl.base.db import create_async
@@ -271,11 +272,21 @@ def judge_engine_env(url: str) -> dict[str, str]:
     return {"CLAWRL_JUDGE__URL": url, **judge_model_env()}
 
 
+def check_admin_key_env() -> None:
+    """Refuse, before anything starts, an admin key set but empty or short (it would open
+    the admin API and the console to a guess); unset, one is generated."""
+    configured = os.environ.get("CLAWRL_PROXY__ADMIN_KEY")
+    problem = None if configured is None else admin.admin_key_problem(SecretStr(configured))
+    if problem:
+        raise StackError(problem)
+
+
 def admin_key(state_dir: Path) -> str:
     """The admin API key: CLAWRL_PROXY__ADMIN_KEY, or one kept in `<state-dir>/admin_key`
     (created 0600)."""
     configured = os.environ.get("CLAWRL_PROXY__ADMIN_KEY")
-    if configured:
+    if configured is not None:
+        check_admin_key_env()
         return configured
     path = state_dir / "admin_key"
     if not path.is_file():
@@ -368,6 +379,7 @@ def supervise(stack: Stack) -> NoReturn:
 
 
 def run_stack(args: argparse.Namespace) -> int:
+    check_admin_key_env()
     state_dir = args.state_dir.resolve()
     state_dir.mkdir(parents=True, exist_ok=True)
     ports = [(args.proxy_port, "proxy"), (args.engine_port, "engine")]
@@ -401,7 +413,7 @@ def run_stack(args: argparse.Namespace) -> int:
             raise StackError(f"database: {first_line(inner)}") from exc
         return run_children(args, state_dir, db_url)
     finally:
-        remove_stack()
+        remove_stack(state_dir)
         if embedded:
             print("stopping embedded Postgres …", flush=True)
             stop_embedded(state_dir)

@@ -104,13 +104,15 @@ def proxy_and_key(args: argparse.Namespace) -> tuple[str, str]:
 async def _make_key(db_url: str, user: str) -> str:
     from clawrl.base.db import create_async
     from proxy import admin
+    from proxy.auth import VERIFIER
 
     db = create_async(db_url)
     try:
         await admin.ensure_user(db, user)
-        # One key for the whole pool of agents: no per-key limit in flight.
+        # One key for the whole pool of agents (no per-key limit in flight), a verifier
+        # key: the environment posts each episode's outcome (a reward).
         return (await admin.create_key(db, user, name="clawrl env", rate_limit_rpm=0,
-                                       max_concurrent=0)).secret
+                                       max_concurrent=0, scopes=[VERIFIER])).secret
     finally:
         await db.dispose()
 

@@ -40,13 +40,15 @@ async def run_agent_rounds(config: EvalConfig, method: str, proxy_url: str, db_u
     """Create the agent's key, then episodes / wait for training / probe, round by round."""
     from clawrl.base.db import create_async
     from proxy import admin
+    from proxy.auth import VERIFIER
 
     db = create_async(db_url)
     try:
         await admin.ensure_user(db, AGENT)
-        # One key for every simulated agent: no per-key limit in flight.
+        # One key for every simulated agent (no per-key limit in flight), a verifier key:
+        # the agent track posts each episode's verified outcome.
         key = (await admin.create_key(db, AGENT, name="clawrl eval", rate_limit_rpm=0,
-                                      max_concurrent=0)).secret
+                                      max_concurrent=0, scopes=[VERIFIER])).secret
     finally:
         await db.dispose()
     base_url = f"{proxy_url}/v1"

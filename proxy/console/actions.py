@@ -20,6 +20,7 @@ Every POST needs the session's CSRF token (proxy/console/render.py).
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -33,10 +34,11 @@ from fastapi.responses import RedirectResponse
 from sqlalchemy import func, select, text
 
 from clawrl.base.db import Judgment, Sample, Turn
-from clawrl.base.errors import BadRequest
+from clawrl.base.errors import BadRequest, ClawrlError
 from clawrl.base.settings import EngineSettings
 from proxy import admin
-from proxy.admin_cli import SqlError, first_line, run_readonly_sql
+from proxy.admin_cli import SqlError, first_line, run_readonly_sql_rows
+from proxy.auth import SCOPES
 from proxy.console import queries
 from proxy.console.render import (
     SECURITY_HEADERS,
@@ -48,7 +50,11 @@ from proxy.console.render import (
 )
 
 SQL_TIMEOUT_S = 30.0
+# What the SQL box renders at most: rows, characters of one cell, characters in all (a large
+# result is cut, and the page says so, rather than sent as megabytes of HTML).
 SQL_MAX_ROWS = 1000
+SQL_MAX_CELL = 2000
+SQL_MAX_CHARS = 1_000_000
 
 actions = APIRouter(route_class=ConsoleRoute)
 
@@ -60,7 +66,7 @@ def _db_url(request: Request) -> str:
 def _back(path: str, note: str | None = None) -> RedirectResponse:
     from urllib.parse import quote
 
-    return RedirectResponse(path + (f"?note={quote(note)}" if note else ""), 303,
+    return RedirectResponse(path + (f"?note={quote(note, safe='')}" if note else ""), 303,
                             headers=SECURITY_HEADERS)
 
 
@@ -74,7 +80,7 @@ async def _turns_by_version(request: Request) -> dict[str, dict[str, Any]]:
 
 @actions.get("/versions")
 async def versions_page(request: Request) -> Response:
-    session = require_session(request)
+    session = await require_session(request)
     async with request.app.state.db.connect() as conn:
         versions = await queries.list_versions(conn)
     upstream = getattr(request.app.state, "upstream", None)
@@ -86,7 +92,9 @@ async def versions_page(request: Request) -> Response:
 
 @actions.get("/versions/{version}/rollback")
 async def rollback_confirm(request: Request, version: int) -> Response:
-    session = require_session(request)
+    session = await require_session(request)
+    if not 0 <= version <= admin.MAX_LIMIT:  # policy_versions.version is an integer
+        raise BadRequest(f"No version {version}.", code="version_not_found")
     async with request.app.state.db.connect() as conn:
         newer = (await conn.execute(text(
             "SELECT count(*) FROM policy_versions WHERE version > :v "
@@ -130,7 +138,7 @@ ROLLBACK_TIMEOUT_S = 600
 @actions.post("/versions/{version}/rollback")
 async def rollback(request: Request, version: int) -> Response:
     await require_post(request)
-    if version < 0:
+    if not 0 <= version <= admin.MAX_LIMIT:
         raise BadRequest(f"No version {version} (versions count up from 0).")
     settings = request.app.state.settings
     try:
@@ -157,13 +165,13 @@ def _invalidate(request: Request) -> None:
 
 async def _users_page(request: Request, *, status: int = 200, created: Any = None,
                       error: str | None = None) -> Response:
-    session = require_session(request)
+    session = await require_session(request)
     db = request.app.state.db
     users, keys = await admin.list_users(db), await admin.list_keys(db)
     async with db.connect() as conn:
         last = await queries.last_turn_by_user(conn)
     return render(request, "users.html", status=status, session=session, users=users,
-                  keys=keys, last=last, created=created, error=error,
+                  keys=keys, last=last, created=created, error=error, scopes=SCOPES,
                   note=request.query_params.get("note"))
 
 
@@ -173,22 +181,35 @@ async def users_page(request: Request) -> Response:
 
 
 def _rpm(value: str | None) -> int | None:
+    """Requests per minute from a form: blank (the proxy's default), or a whole number
+    within the column's range (admin.check_rpm)."""
     if value is None or not value.strip():
         return None
-    if not value.strip().isdigit():
-        raise BadRequest("Requests per minute must be a whole number (0 = unlimited).")
-    return int(value)
+    text = value.strip()
+    if not (text.isascii() and text.isdigit()) or len(text) > 10:
+        raise BadRequest("Requests per minute must be a whole number from 0 (unlimited) to "
+                         f"{admin.MAX_LIMIT}.", param="rpm")
+    return admin.check_rpm(int(text))
+
+
+def _key_params(form: dict[str, str], label: str) -> admin.KeyParams:
+    """A new key's label, limit and scope from a form (one `scope` select: none or a name)."""
+    scope = form.get("scope", "").strip()
+    return admin.KeyParams(name=form.get(label) or None, rate_limit_rpm=_rpm(form.get("rpm")),
+                           scopes=[scope] if scope else []).checked()
 
 
 @actions.post("/users")
 async def create_user(request: Request) -> Response:
+    """A user and (unless `key=off`) its first key, in one transaction: a refused limit,
+    scope or name creates nothing, and the page says why."""
     _, form = await require_post(request)
-    db = request.app.state.db
-    user = await admin.create_user(db, form.get("name", ""))
-    key = None
-    if form.get("key", "on") == "on":
-        key = await admin.create_key(db, user.name, name=form.get("key_name") or None,
-                                     rate_limit_rpm=_rpm(form.get("rpm")))
+    try:
+        params = None if form.get("key", "on") != "on" else _key_params(form, "key_name")
+        _, key = await admin.create_user_with_key(request.app.state.db, form.get("name", ""),
+                                                  key=params)
+    except ClawrlError as exc:
+        return await _users_page(request, status=exc.status, error=exc.message)
     # The key is on this page and nowhere else: it is never stored, only its hash.
     return await _users_page(request, status=201, created=key)
 
@@ -196,9 +217,12 @@ async def create_user(request: Request) -> Response:
 @actions.post("/keys")
 async def create_key(request: Request) -> Response:
     _, form = await require_post(request)
-    key = await admin.create_key(request.app.state.db, form.get("user", ""),
-                                 name=form.get("name") or None,
-                                 rate_limit_rpm=_rpm(form.get("rpm")))
+    try:
+        p = _key_params(form, "name")
+        key = await admin.create_key(request.app.state.db, form.get("user", ""), name=p.name,
+                                     rate_limit_rpm=p.rate_limit_rpm, scopes=p.scopes)
+    except ClawrlError as exc:
+        return await _users_page(request, status=exc.status, error=exc.message)
     return await _users_page(request, status=201, created=key)
 
 
@@ -210,7 +234,7 @@ async def revoke_key(request: Request, prefix: str) -> Response:
     return _back("/console/users", f"Revoked key {key.prefix} of {key.user}.")
 
 
-@actions.post("/users/{name}/opt-out")
+@actions.post("/users/{name:path}/opt-out")
 async def opt_out(request: Request, name: str) -> Response:
     _, form = await require_post(request)
     user = await admin.set_opt_out(request.app.state.db, name,
@@ -221,9 +245,9 @@ async def opt_out(request: Request, name: str) -> Response:
                                    f"logging opt-out {user.log_opt_out}.")
 
 
-@actions.get("/users/{name}/delete")
+@actions.get("/users/{name:path}/delete")
 async def delete_confirm(request: Request, name: str) -> Response:
-    session = require_session(request)
+    session = await require_session(request)
     db = request.app.state.db
     user = await admin.get_user(db, name)
     async with db.connect() as conn:
@@ -240,7 +264,7 @@ async def delete_confirm(request: Request, name: str) -> Response:
     return render(request, "delete_user.html", session=session, user=user, counts=counts)
 
 
-@actions.post("/users/{name}/delete")
+@actions.post("/users/{name:path}/delete")
 async def delete_user(request: Request, name: str) -> Response:
     _, form = await require_post(request)
     if form.get("confirm_name") != name:
@@ -257,9 +281,37 @@ async def delete_user(request: Request, name: str) -> Response:
 
 # --- SQL --------------------------------------------------------------------------------
 
+def sql_cell(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, (dict, list, tuple)):
+        return json.dumps(value, ensure_ascii=False, indent=2, default=str)
+    return str(value)
+
+
+def sql_cells(rows: list[tuple[Any, ...]]) -> tuple[list[list[str]], bool]:
+    """The rows as the page shows them: each cell at most SQL_MAX_CELL characters, and rows
+    only while the page holds under SQL_MAX_CHARS in all. Returns them and whether a cell
+    was cut."""
+    shown: list[list[str]] = []
+    used, cut = 0, False
+    for row in rows:
+        cells = []
+        for value in row:
+            text = sql_cell(value)
+            if len(text) > SQL_MAX_CELL:
+                text, cut = text[:SQL_MAX_CELL] + "…", True
+            cells.append(text)
+        used += sum(len(c) for c in cells)
+        if shown and used > SQL_MAX_CHARS:
+            break
+        shown.append(cells)
+    return shown, cut
+
+
 @actions.get("/sql")
 async def sql_page(request: Request) -> Response:
-    session = require_session(request)
+    session = await require_session(request)
     return render(request, "sql.html", timeout=int(SQL_TIMEOUT_S), session=session, query="", result=None, error=None)
 
 
@@ -269,15 +321,17 @@ async def sql_run(request: Request) -> Response:
     query = form.get("query", "")
     started = time.perf_counter()
     try:
-        columns, rows = await asyncio.to_thread(run_readonly_sql, _db_url(request), query,
-                                                timeout_s=SQL_TIMEOUT_S)
+        columns, rows, total = await asyncio.to_thread(
+            run_readonly_sql_rows, _db_url(request), query, timeout_s=SQL_TIMEOUT_S,
+            max_rows=SQL_MAX_ROWS)
     except SqlError as exc:
         return render(request, "sql.html", timeout=int(SQL_TIMEOUT_S), status=400, session=session, query=query,
                       result=None, error=exc.message)
     except psycopg.Error as exc:  # the role cannot log in, the server is down, ...
         return render(request, "sql.html", timeout=int(SQL_TIMEOUT_S), status=503, session=session, query=query,
                       result=None, error=f"database error: {first_line(exc)}")
-    result = {"columns": columns, "rows": rows[:SQL_MAX_ROWS], "total": len(rows),
-              "ms": (time.perf_counter() - started) * 1000}
+    shown, cells_cut = sql_cells(rows)
+    result = {"columns": columns, "rows": shown, "total": total, "cells_cut": cells_cut,
+              "max_cell": SQL_MAX_CELL, "ms": (time.perf_counter() - started) * 1000}
     return render(request, "sql.html", timeout=int(SQL_TIMEOUT_S), session=session, query=query, result=result,
                   error=None)

@@ -21,6 +21,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
+from urllib.parse import urlencode
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, RedirectResponse, StreamingResponse
@@ -78,7 +79,7 @@ async def login_page(request: Request, next: str | None = None) -> Response:
     if admin_key(request) is None:
         return render(request, "login.html", status=403, disabled=True, token="", next="",
                       error=None)
-    if current_session(request) is not None:
+    if await current_session(request) is not None:
         return RedirectResponse(_safe_next(next), 303, headers=SECURITY_HEADERS)
     token = new_login_token()
     response = render(request, "login.html", disabled=False, token=token,
@@ -98,14 +99,17 @@ async def login(request: Request) -> Response:
     form = await read_form(request)
     if not same_token(form.get("token"), request.cookies.get(LOGIN_COOKIE)):
         raise CsrfFailed("The sign-in form expired; reload the page and try again.")
-    if not check_admin_key(key, form.get("admin_key", "")):
-        token = new_login_token()
-        failed = render(request, "login.html", status=401, disabled=False, token=token,
-                          next=_safe_next(form.get("next")), error="Incorrect admin key.")
-        failed.set_cookie(LOGIN_COOKIE, token, max_age=600, path=COOKIE_PATH,
-                          httponly=True, samesite="strict", secure=request.url.scheme == "https")
-        return failed
-    cookie, _ = console_state(request).sessions.issue(key)
+    state = console_state(request)
+    address = request.client.host if request.client else "?"
+    wait = state.throttle.retry_after(address)
+    if wait is None and not check_admin_key(key, form.get("admin_key", "")):
+        state.throttle.failed(address)
+        return _login_again(request, form, 401, "Incorrect admin key.")
+    if wait is not None:  # refused unchecked: a right key counts no more than a wrong one
+        return _login_again(request, form, 429, f"Too many failed sign-ins from this address; "
+                            f"try again in {wait} s.", {"Retry-After": str(wait)})
+    state.throttle.succeeded(address)
+    cookie, _ = await state.sessions.issue(key)
     response: Response = RedirectResponse(_safe_next(form.get("next")), 303, headers=SECURITY_HEADERS)
     response.set_cookie(COOKIE, cookie, max_age=SESSION_TTL_S, path=COOKIE_PATH,
                         httponly=True, samesite="strict", secure=request.url.scheme == "https")
@@ -113,10 +117,21 @@ async def login(request: Request) -> Response:
     return response
 
 
+def _login_again(request: Request, form: dict[str, str], status: int, error: str,
+                 headers: dict[str, str] | None = None) -> Response:
+    """The sign-in form again, with why, and a fresh form token."""
+    token = new_login_token()
+    page = render(request, "login.html", status=status, disabled=False, token=token,
+                  next=_safe_next(form.get("next")), error=error, headers=headers)
+    page.set_cookie(LOGIN_COOKIE, token, max_age=600, path=COOKIE_PATH, httponly=True,
+                    samesite="strict", secure=request.url.scheme == "https")
+    return page
+
+
 @console_router.post("/logout")
 async def logout(request: Request) -> Response:
     session, _ = await require_post(request)
-    console_state(request).sessions.sign_out(session)
+    await console_state(request).sessions.sign_out(session)
     response = RedirectResponse("/console/login", 303, headers=SECURITY_HEADERS)
     response.delete_cookie(COOKIE, path=COOKIE_PATH)
     return response
@@ -177,7 +192,7 @@ async def overview_data(request: Request) -> dict[str, Any]:
 
 @console_router.get("")
 async def overview_page(request: Request) -> Response:
-    session = require_session(request)
+    session = await require_session(request)
     data = await overview_data(request)
     return render(request, "overview.html", session=session, data=data,
                   data_json=json.dumps(data).replace("<", "\\u003c"))
@@ -185,20 +200,24 @@ async def overview_page(request: Request) -> Response:
 
 @console_router.get("/api/overview")
 async def overview_json(request: Request) -> Response:
-    require_session(request)
+    await require_session(request)
     return JSONResponse(await overview_data(request), headers=SECURITY_HEADERS)
 
 
 @console_router.get("/events")
 async def events(request: Request) -> Response:
-    """Server-sent events: the overview's numbers every EVENT_INTERVAL_S seconds."""
-    require_session(request)
+    """Server-sent events: the overview's numbers every EVENT_INTERVAL_S seconds, while
+    the session lasts (signed out in any process, the stream ends)."""
+    await require_session(request)
+    key, cookie = admin_key(request), request.cookies.get(COOKIE)
+    sessions = console_state(request).sessions
 
     async def stream() -> AsyncIterator[bytes]:
         started = time.monotonic()
         yield b"retry: 2000\n\n"
         while time.monotonic() - started < EVENT_STREAM_MAX_S:
-            if await request.is_disconnected():
+            if await request.is_disconnected() or key is None \
+                    or await sessions.read(key, cookie) is None:
                 return
             data = await overview_data(request)
             yield f"event: overview\ndata: {json.dumps(data)}\n\n".encode()
@@ -221,6 +240,17 @@ def _time_arg(value: str | None, name: str) -> dt.datetime | None:
     return parsed if parsed.tzinfo else parsed.replace(tzinfo=dt.UTC)
 
 
+MAX_ID = 2**63 - 1  # turns.id is a bigint
+
+
+def parse_turn_id(text: str) -> int | None:
+    """A turn id given as text: ASCII digits within a bigint (`²` is a digit to
+    str.isdigit but no number to int), else None."""
+    if not (text.isascii() and text.isdigit()) or len(text) > 19 or int(text) > MAX_ID:
+        return None
+    return int(text)
+
+
 def turn_filter(request: Request) -> queries.TurnFilter:
     q = {k: v.strip() for k, v in request.query_params.items() if v.strip()}
     try:
@@ -235,13 +265,13 @@ def turn_filter(request: Request) -> queries.TurnFilter:
     if hint is not None and hint not in ("yes", "no"):
         raise BadRequest("hint must be yes or no.")
     before = q.get("before")
-    if before is not None and not before.isdigit():
+    if before is not None and parse_turn_id(before) is None:
         raise BadRequest("before must be a turn id.")
     return queries.TurnFilter(
         user=q.get("user"), session=session, version=q.get("version"), reward=reward,
         has_hint=None if hint is None else hint == "yes",
         since=_time_arg(q.get("since"), "since"), until=_time_arg(q.get("until"), "until"),
-        before=int(before) if before else None)
+        before=parse_turn_id(before) if before else None)
 
 
 async def _turn_rows(request: Request) -> tuple[queries.TurnFilter, list[dict[str, Any]]]:
@@ -253,12 +283,12 @@ async def _turn_rows(request: Request) -> tuple[queries.TurnFilter, list[dict[st
 
 @console_router.get("/turns")
 async def turns_page(request: Request) -> Response:
-    session = require_session(request)
+    session = await require_session(request)
     f, rows = await _turn_rows(request)
     params = {k: v for k, v in request.query_params.items() if k != "before" and v}
     older = None
     if len(rows) == queries.PAGE_SIZE:
-        older = "&".join(f"{k}={v}" for k, v in {**params, "before": rows[-1]["id"]}.items())
+        older = urlencode({**params, "before": rows[-1]["id"]})
     return render(request, "turns.html", session=session, rows=rows, f=f, q=params,
                   older=older, live=f.before is None)
 
@@ -266,7 +296,7 @@ async def turns_page(request: Request) -> Response:
 @console_router.get("/turns/rows")
 async def turn_rows(request: Request) -> Response:
     """The list's rows alone (the turns page swaps them in when new turns arrive)."""
-    session = require_session(request)
+    session = await require_session(request)
     _, rows = await _turn_rows(request)
     return render(request, "turn_rows.html", session=session, rows=rows)
 
@@ -292,9 +322,11 @@ def _advantage(rollout: list[float] | None, teacher: list[float] | None
 
 @console_router.get("/turns/{turn_id}")
 async def turn_page(request: Request, turn_id: int) -> Response:
-    session = require_session(request)
-    async with request.app.state.db.connect() as conn:
-        found = await queries.get_turn(conn, turn_id)
+    session = await require_session(request)
+    found = None
+    if 0 <= turn_id <= MAX_ID:
+        async with request.app.state.db.connect() as conn:
+            found = await queries.get_turn(conn, turn_id)
     if found is None:
         raise NotFound(f"No turn {turn_id}.", code="turn_not_found")
     turn = found["turn"]

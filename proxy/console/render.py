@@ -25,8 +25,14 @@ from fastapi.responses import HTMLResponse, RedirectResponse
 from fastapi.routing import APIRoute
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from clawrl.base.errors import ClawrlError, Forbidden
-from proxy.console.signin import COOKIE, ConsoleSession, SessionBook, same_token
+from clawrl.base.errors import BadRequest, ClawrlError, Forbidden
+from proxy.console.signin import (
+    COOKIE,
+    ConsoleSession,
+    SessionBook,
+    SignInThrottle,
+    same_token,
+)
 from proxy.console.tally import RewardTally
 
 HERE = Path(__file__).resolve().parent
@@ -52,10 +58,12 @@ class CsrfFailed(Forbidden):
 
 @dataclass
 class ConsoleState:
-    """Per app: the session book, the reward tally and the last request count sample."""
+    """Per app: the session book, the sign-in throttle, the reward tally and the last
+    request count sample."""
 
     sessions: SessionBook
     tally: RewardTally
+    throttle: SignInThrottle = field(default_factory=SignInThrottle)
     requests_sample: tuple[float, float] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -65,7 +73,7 @@ def console_state(request: Request) -> ConsoleState:
     existing: ConsoleState | None = getattr(state, "console", None)
     if existing is None:
         db: AsyncEngine = state.db
-        existing = ConsoleState(SessionBook(), RewardTally(db))
+        existing = ConsoleState(SessionBook(db), RewardTally(db))
         state.console = existing
     return existing
 
@@ -75,15 +83,23 @@ def admin_key(request: Request) -> str | None:
     return None if secret is None else str(secret.get_secret_value())
 
 
-def current_session(request: Request) -> ConsoleSession | None:
+_UNKNOWN = object()
+
+
+async def current_session(request: Request) -> ConsoleSession | None:
+    """The request's signed-in session, or None; looked up once per request."""
     key = admin_key(request)
     if key is None:
         return None
-    return console_state(request).sessions.read(key, request.cookies.get(COOKIE))
+    found = getattr(request.state, "console_session", _UNKNOWN)
+    if found is _UNKNOWN:
+        found = await console_state(request).sessions.read(key, request.cookies.get(COOKIE))
+        request.state.console_session = found
+    return found if isinstance(found, ConsoleSession) else None
 
 
-def require_session(request: Request) -> ConsoleSession:
-    session = current_session(request)
+async def require_session(request: Request) -> ConsoleSession:
+    session = await current_session(request)
     if session is None:
         raise SignInNeeded
     return session
@@ -101,14 +117,18 @@ def check_origin(request: Request) -> None:
 
 
 async def read_form(request: Request) -> dict[str, str]:
-    """An urlencoded form body (the only kind the console's forms send)."""
+    """An urlencoded form body (the only kind the console's forms send); a NUL in it is a
+    400 (Postgres text cannot hold one)."""
     body = (await request.body()).decode("utf-8", errors="replace")
-    return dict(parse_qsl(body, keep_blank_values=True))
+    form = dict(parse_qsl(body, keep_blank_values=True))
+    if any("\x00" in k or "\x00" in v for k, v in form.items()):
+        raise BadRequest("A form field contains a NUL character.", code="invalid_parameter")
+    return form
 
 
 async def require_post(request: Request) -> tuple[ConsoleSession, dict[str, str]]:
     """A signed-in POST with the session's CSRF token and from the console's origin."""
-    session = require_session(request)
+    session = await require_session(request)
     check_origin(request)
     form = await read_form(request)
     if not same_token(form.get("csrf"), session.csrf):
@@ -136,15 +156,31 @@ _env = jinja2.Environment(loader=jinja2.FileSystemLoader(HERE / "templates"),
                           autoescape=jinja2.select_autoescape(["html"]),
                           trim_blocks=True,
                           lstrip_blocks=True)
-_env.filters.update(time=_fmt_time, num=_fmt_num, pretty=_to_json, urlq=quote)
+def urlq(value: Any) -> str:
+    """A value as one URL path segment or query value: every reserved character escaped,
+    `/` too, so a user named `x/../carol` stays one segment and never reaches `carol`."""
+    return quote(str(value), safe="")
+
+
+_env.filters.update(time=_fmt_time, num=_fmt_num, pretty=_to_json, urlq=urlq)
 
 
 def render(request: Request, template: str, *, status: int = 200,
-           session: ConsoleSession | None = None, **context: Any) -> HTMLResponse:
+           session: ConsoleSession | None = None, headers: dict[str, str] | None = None,
+           **context: Any) -> HTMLResponse:
     html = _env.get_template(template).render(
         request=request, session=session, csrf=session.csrf if session else "",
         path=request.url.path, **context)
-    return HTMLResponse(html, status_code=status, headers=SECURITY_HEADERS)
+    return HTMLResponse(html, status_code=status, headers={**SECURITY_HEADERS, **(headers or {})})
+
+
+async def _session_or_none(request: Request) -> ConsoleSession | None:
+    """For an error page's header: the session when it can be known (not when the database
+    is what failed)."""
+    try:
+        return await current_session(request)
+    except ClawrlError:
+        return None
 
 
 class ConsoleRoute(APIRoute):
@@ -156,6 +192,12 @@ class ConsoleRoute(APIRoute):
 
         async def guarded(request: Request) -> Response:
             try:
+                # Postgres text cannot hold U+0000: refused here, for every page at once.
+                if any("\x00" in v for v in (*request.path_params.values(),
+                                             *request.query_params.keys(),
+                                             *request.query_params.values())):
+                    raise BadRequest("A path or query parameter contains a NUL character.",
+                                     code="invalid_parameter")
                 return await handler(request)
             except SignInNeeded:
                 if request.method != "GET":
@@ -167,11 +209,12 @@ class ConsoleRoute(APIRoute):
                                         headers=SECURITY_HEADERS)
             except RequestValidationError:
                 return render(request, "error.html", status=404, title="Not found",
-                              session=current_session(request),
+                              session=await _session_or_none(request),
                               message=f"Nothing at {request.url.path}.")
             except ClawrlError as exc:
                 return render(request, "error.html", status=exc.status,
-                              session=current_session(request),
-                              title=f"{exc.status}: {exc.code}", message=exc.message)
+                              session=await _session_or_none(request),
+                              title=f"{exc.status}: {exc.code}", message=exc.message,
+                              headers=exc.headers)
 
         return guarded

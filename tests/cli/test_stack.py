@@ -193,6 +193,12 @@ def test_up_serves_and_stops_on_sigterm(state_dir: Path, tiny_model_dir: Path,
     (["--small-model"], {"CLAWRL_DATABASE__URL": "postgresql://postgres@127.0.0.1:1/x"},
      "database: "),
     (["--small-model"], {"CLAWRL_DATABASE__URL": "nonsense"}, "database: "),
+    # An empty admin key turned the console on with an empty password.
+    (["--small-model"], {"CLAWRL_PROXY__ADMIN_KEY": ""}, "CLAWRL_PROXY__ADMIN_KEY is set but "
+                                                         "empty"),
+    (["--small-model"], {"CLAWRL_PROXY__ADMIN_KEY": "  "}, "CLAWRL_PROXY__ADMIN_KEY is set "
+                                                           "but empty"),
+    (["--small-model"], {"CLAWRL_PROXY__ADMIN_KEY": "hunter2"}, "must be at least 16"),
 ])
 def test_up_bad_input_is_one_line(state_dir: Path, args: list[str], env: dict[str, str],
                                   message: str) -> None:

@@ -13,6 +13,7 @@ import pytest
 
 from clawrl.bench.procs import BenchProcs
 from clawrl.bench.proxy import make_key
+from proxy.auth import VERIFIER
 
 ADMIN_URL = os.environ.get("CLAWRL_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
 
@@ -52,7 +53,7 @@ def test_no_proxy_or_no_key_is_one_line(tmp_path: Path) -> None:
 
 
 def test_clawrl_env_runs_episodes_through_the_proxy(db_url: str, tmp_path: Path) -> None:
-    key = asyncio.run(make_key(db_url))
+    key = asyncio.run(make_key(db_url, scopes=[VERIFIER]))
     with BenchProcs(db_url, tmp_path) as procs:
         procs.configure(tool_command="wc -l < data.txt > count.txt")
         out = clawrl("env", "terminal", "--base-url", f"{procs.proxy_url}/v1", "--api-key", key,

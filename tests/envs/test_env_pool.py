@@ -19,6 +19,7 @@ from clawrl.bench.procs import BenchProcs
 from clawrl.bench.proxy import make_key
 from clawrl.envs.pool import PoolConfig, run_pool, step_seed
 from clawrl.envs.terminal import NUDGE
+from proxy.auth import VERIFIER
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +50,7 @@ async def test_episodes_log_sessions_next_states_and_outcomes(procs: BenchProcs,
                                                               db_url: str) -> None:
     # The stand-in agent runs `rm -f *.log`: it solves delete_logs, never count_lines.
     procs.configure(tool_command="rm -f *.log")
-    key = await make_key(db_url)
+    key = await make_key(db_url, scopes=[VERIFIER])
     cfg = PoolConfig(episodes=4, concurrency=4, max_steps=4, model="bench", session_prefix="t",
                      options={"tasks": ["delete_logs", "count_lines"]})
     result = await run_pool(cfg, f"{procs.proxy_url}/v1", key)
@@ -85,7 +86,7 @@ async def test_a_group_runs_each_task_that_many_times(procs: BenchProcs, db_url:
     """`group` episodes share their environment's seed (GRPO's groups: the trainer's
     group_mean baseline compares them), each still its own session."""
     procs.configure(tool_command="rm -f *.log")
-    key = await make_key(db_url)
+    key = await make_key(db_url, scopes=[VERIFIER])
     cfg = PoolConfig(episodes=4, concurrency=4, max_steps=2, model="bench", session_prefix="g",
                      group=2, options={"tasks": ["delete_logs", "count_lines"]})
     result = await run_pool(cfg, f"{procs.proxy_url}/v1", key)
@@ -106,7 +107,7 @@ async def test_a_group_runs_each_task_that_many_times(procs: BenchProcs, db_url:
 
 async def test_the_last_allowed_step_closes_the_session(procs: BenchProcs, db_url: str) -> None:
     procs.configure(tool_command="ls")
-    key = await make_key(db_url)
+    key = await make_key(db_url, scopes=[VERIFIER])
     cfg = PoolConfig(episodes=2, concurrency=2, max_steps=1, model="bench", session_prefix="d",
                      options={"tasks": ["count_lines"]})
     result = await run_pool(cfg, f"{procs.proxy_url}/v1", key)
@@ -120,7 +121,7 @@ async def test_the_last_allowed_step_closes_the_session(procs: BenchProcs, db_ur
 async def test_a_reply_without_a_command_is_answered_with_a_nudge(procs: BenchProcs,
                                                                   db_url: str) -> None:
     procs.configure(tool_command="")  # the stand-in only ever writes text
-    key = await make_key(db_url)
+    key = await make_key(db_url, scopes=[VERIFIER])
     cfg = PoolConfig(episodes=1, concurrency=1, max_steps=2, model="bench", session_prefix="n")
     result = await run_pool(cfg, f"{procs.proxy_url}/v1", key)
     assert [(e.steps, e.outcome, e.done_sent) for e in result.episodes] == [(2, -1.0, True)]

@@ -16,6 +16,7 @@ from sqlalchemy import Engine
 from test_judge_worker import ScriptedJudge, run_until, settings_for
 
 from judge.judgment import OUTCOME_ONLY_REASON
+from proxy.auth import VERIFIER
 
 # The random test model rarely ends a reply by itself; common stop strings end it early so
 # the final turn is not skipped as cut off by the length limit.
@@ -70,7 +71,7 @@ async def test_api_outcome_trains_the_final_turn_without_a_judge_model(
     gives it exactly one judge job (posting it again adds none); the worker stores a
     judgment with reward NULL and a sample, never calling the judge model. A session
     without an outcome gets no job."""
-    key = create_user(db_url, "agent")[1]
+    key = create_user(db_url, "agent", scopes=[VERIFIER])[1]
     async with running_proxy(engine_url, db_url, tmp_path) as proxy_url, \
             client(proxy_url, key) as http:
         await ask(http, ASK, **{"X-Session-Id": "solved"})
@@ -115,7 +116,7 @@ async def test_outcome_header_on_the_last_request_judges_its_turn(
     """The header path: the request that carries `X-Session-Outcome` (and
     `X-Session-Done`) records the final turn and its outcome-only job together; an earlier
     turn it continues gets its usual job. A later outcome by the API adds no job."""
-    key = create_user(db_url, "header-agent")[1]
+    key = create_user(db_url, "header-agent", scopes=[VERIFIER])[1]
     async with running_proxy(engine_url, db_url, tmp_path) as proxy_url, \
             client(proxy_url, key) as http:
         first = await ask(http, ASK, **{"X-Session-Id": "ep"})
@@ -144,8 +145,9 @@ async def test_opted_out_users_final_turns_are_never_judged(
         db: Engine, db_url: str, engine_url: str, tmp_path: Path) -> None:
     """No job for an opted-out user's final turn by either path; a user who opts out after
     the job was enqueued gets no judgment and no sample (the judge checks again)."""
-    out_key = create_user(db_url, "private", train_opt_out=True)[1]
-    later_id, later_key = create_user(db_url, "changes-mind")
+    out_key = create_user(db_url, "private", train_opt_out=True,
+                          scopes=[VERIFIER])[1]
+    later_id, later_key = create_user(db_url, "changes-mind", scopes=[VERIFIER])
     async with running_proxy(engine_url, db_url, tmp_path) as proxy_url:
         async with client(proxy_url, out_key) as http:
             await ask(http, ASK, **{"X-Session-Id": "by-api"})
@@ -175,7 +177,7 @@ async def test_a_final_turn_continued_after_all_is_judged_by_its_own_job(
     continuation's job judges the turn and supersedes that untrained sample. Session `late`:
     continued before the worker ran; the outcome-only job leaves the turn to the
     continuation's job, so the judge model judges it once."""
-    key = create_user(db_url, "goes-on")[1]
+    key = create_user(db_url, "goes-on", scopes=[VERIFIER])[1]
     async with running_proxy(engine_url, db_url, tmp_path) as proxy_url, \
             client(proxy_url, key) as http:
         early = await ask(http, ASK, **{"X-Session-Id": "early"})

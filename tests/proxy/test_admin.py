@@ -89,7 +89,7 @@ def test_keys_create_list_revoke(cli_db: str, capsys: pytest.CaptureFixture[str]
     for argv, message in [
         (["keys", "create", "--user", "nobody"], "No user named 'nobody'."),
         (["keys", "revoke", "ffff"], "No API key with prefix 'ffff'."),
-        (["keys", "create", "--user", "bob", "--rpm", "-1"], "rate_limit_rpm must be >= 0"),
+        (["keys", "create", "--user", "bob", "--rpm", "-1"], "rate_limit_rpm must be between 0 and"),
     ]:
         code, _, err = run(argv, capsys)
         assert code == 1 and message in err and len(err.strip().splitlines()) == 1
@@ -113,6 +113,111 @@ def test_keys_fair_share_limits(cli_db: str, capsys: pytest.CaptureFixture[str])
         code, _, err = run(argv, capsys)
         assert code == 1 and "must be between 0 and" in err and len(err.strip().splitlines()) == 1
     assert query_rows(cli_db, "SELECT count(*) FROM users WHERE name = 'fay'") == [(0,)]
+
+
+def test_verifier_scope_from_the_cli(cli_db: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--scope verifier` issues a key that may set session outcomes; `keys list` shows it;
+    an unknown scope is refused by argparse and nothing is created."""
+    code, out, _ = run(["users", "create", "grader", "--scope", "verifier"], capsys)
+    assert code == 0 and "scopes: verifier" in out
+    code, out, _ = run(["keys", "create", "--user", "grader", "--name", "plain"], capsys)
+    assert code == 0 and "scopes" not in out
+    assert query_rows(cli_db, "SELECT scopes FROM api_keys ORDER BY id") == [
+        (["verifier"],), ([],)]
+    code, out, _ = run(["keys", "list", "--user", "grader"], capsys)
+    header, _, first, second = out.splitlines()[:4]
+    assert "scopes" in [c.strip() for c in header.split(" | ")]
+    assert "verifier" in first and "verifier" not in second
+    with pytest.raises(SystemExit):
+        clawrl(["keys", "create", "--user", "grader", "--scope", "admin"])
+    assert "invalid choice" in capsys.readouterr().err
+    assert count(cli_db, "api_keys") == 2
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["users", "create", "hugo", "--rpm", str(2**31)], "rate_limit_rpm must be between 0 and"),
+    (["users", "create", "hugo", "--concurrent", str(2**31)], "max_concurrent must be between"),
+    (["users", "create", "x/../carol"], "A user name must be"),
+    (["users", "create", "a b"], "A user name must be"),
+    (["users", "create", "x" * 65], "A user name must be"),
+    (["users", "create", "--", "-x"], "A user name must be"),
+])
+def test_bad_users_and_limits_are_one_line_and_create_nothing(
+        cli_db: str, capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:
+    """A limit past the column's int32 was a database overflow (a traceback, or a 500 on the
+    API): now one line, and nothing is created, not even the user of a refused first key."""
+    code, _, err = run(argv, capsys)
+    assert code == 1 and message in err and len(err.strip().splitlines()) == 1, err
+    assert count(cli_db, "users") == 0 and count(cli_db, "api_keys") == 0
+
+
+def test_user_names_that_stay_allowed() -> None:
+    for name in ("alice", "ada", "sim-0-lowercase", "env-toolcall", "header-agent", "u",
+                 "bench", "ünïcode", "a.b@c+d_e", "x" * 64):
+        assert admin.check_name(name) == name
+
+
+def test_sql_prints_a_bounded_number_of_rows(cli_db: str,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(["sql", "--limit", "3", "SELECT g FROM generate_series(1, 50) g"],
+                       capsys)
+    assert code == 0
+    assert out.splitlines()[2:] == ["1", "2", "3", "(first 3 of 50 rows; --limit 0 prints all)"]
+    code, out, _ = run(["sql", "--limit", "0", "SELECT g FROM generate_series(1, 50) g"],
+                       capsys)
+    assert code == 0 and out.splitlines()[-1] == "(50 rows)"
+    code, out, _ = run(["sql", "SELECT g FROM generate_series(1, 20000) g"], capsys)
+    assert code == 0 and out.splitlines()[-1] == (
+        f"(first {admin.SQL_CLI_ROWS} of 20000 rows; --limit 0 prints all)")
+    assert len(out.splitlines()) == admin.SQL_CLI_ROWS + 3
+
+
+@pytest.mark.parametrize("key, ok", [
+    (None, True), ("", False), ("   ", False), ("short-key", False), ("x" * 15, False),
+    ("x" * 16, True), ("ck-admin-" + "y" * 43, True),
+])
+def test_admin_key_must_be_long_enough(key: str | None, ok: bool) -> None:
+    problem = admin.admin_key_problem(None if key is None else SecretStr(key))
+    assert (problem is None) == ok
+    if not ok:
+        assert problem is not None and "CLAWRL_PROXY__ADMIN_KEY" in problem
+        assert "\n" not in problem
+
+
+@pytest.mark.parametrize("key", ["", "  ", "sekrit"])
+def test_proxy_refuses_to_start_with_an_empty_or_short_admin_key(
+        key: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        tmp_path: Path) -> None:
+    """`CLAWRL_PROXY__ADMIN_KEY=""` turned the console on with an empty password: now the
+    proxy refuses, in one line, before it opens a port; create_app refuses as well."""
+    monkeypatch.setenv("CLAWRL_PROXY__ADMIN_KEY", key)
+    monkeypatch.setenv("CLAWRL_DATABASE__URL", "postgresql://postgres@127.0.0.1:1/x")
+    assert clawrl(["proxy"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("clawrl proxy: CLAWRL_PROXY__ADMIN_KEY") and "\n" not in err
+    from proxy.app import create_app
+
+    with pytest.raises(ValueError, match="CLAWRL_PROXY__ADMIN_KEY"):
+        create_app(load_settings(state_dir=tmp_path), db_url="postgresql://u@h/db")
+
+
+async def test_admin_api_bounds_limits_and_scopes(db: AsyncEngine) -> None:
+    """2^31 requests per minute was a 500 (integer overflow in Postgres): now a 400."""
+    async with client(admin_app(db, "sekrit")) as c:
+        assert (await c.post("/admin/users", json={"name": "hal"})).status_code == 201
+        for body, param in (({"rate_limit_rpm": 2**31}, "rate_limit_rpm"),
+                            ({"rate_limit_tpm": 2**31}, "rate_limit_tpm"),
+                            ({"max_concurrent": 2**63}, "max_concurrent"),
+                            ({"scopes": ["root"]}, "scopes")):
+            r = await c.post("/admin/keys", json={"user": "hal", **body})
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["param"] == param
+        r = await c.post("/admin/users", json={"name": "x/../carol"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_user_name"
+        r = await c.post("/admin/keys", json={"user": "hal", "scopes": ["verifier"]})
+        assert r.status_code == 201 and r.json()["scopes"] == ["verifier"]
+        listed = (await c.get("/admin/keys")).json()["data"]
+        assert [k["scopes"] for k in listed] == [["verifier"]]
 
 
 def test_delete_user_cascades(cli_db: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -324,10 +429,10 @@ async def test_admin_api_users_and_keys(db: AsyncEngine) -> None:
 async def test_keys_from_the_admin_api_work_on_the_chat_route(proxy_factory: Any) -> None:
     """Issue, rate-limit and revoke a key over /admin on the running proxy (no engine needed:
     an authenticated chat request then fails at the engine, 502)."""
-    proxy = await proxy_factory("http://127.0.0.1:9", admin_key="sekrit")
+    proxy = await proxy_factory("http://127.0.0.1:9", admin_key="sekrit-admin-key-0123")
     chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     async with httpx.AsyncClient(base_url=proxy.url, timeout=30) as c:
-        admin_headers = {"authorization": "Bearer sekrit"}
+        admin_headers = {"authorization": "Bearer sekrit-admin-key-0123"}
         assert (await c.post("/admin/users", json={"name": "ivy"},
                              headers=admin_headers)).status_code == 201
         r = await c.post("/admin/keys", json={"user": "ivy", "rate_limit_rpm": 1},

@@ -8,14 +8,21 @@ from collections.abc import AsyncIterator
 
 import psycopg
 import pytest
-from sqlalchemy import event, select
+from sqlalchemy import event, select, update
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from clawrl.base.db import ApiKey, create_async
-from clawrl.base.errors import RateLimited, Unauthorized, Unavailable
+from clawrl.base.errors import BadRequest, Forbidden, RateLimited, Unauthorized, Unavailable
 from clawrl.base.settings import ProxySettings
 from proxy import admin
-from proxy.auth import Authenticator, RateLimiter, hash_secret, lookup_principal
+from proxy.auth import (
+    VERIFIER,
+    Authenticator,
+    RateLimiter,
+    hash_secret,
+    lookup_principal,
+    require_scope,
+)
 
 ADMIN_URL = os.environ.get("CLAWRL_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
 
@@ -90,6 +97,45 @@ async def test_revocation_takes_effect_within_the_cache_ttl(db: AsyncEngine) -> 
     with pytest.raises(Unauthorized) as info:
         await auth.authenticate(bearer(key.secret))
     assert info.value.code == "revoked_api_key"
+
+
+async def test_a_scope_change_takes_effect_within_the_cache_ttl(db: AsyncEngine) -> None:
+    """Scopes are carried on the principal and refreshed with it: a verifier scope granted
+    or taken away by another process holds within the TTL, like a revocation."""
+    await admin.create_user(db, "alice")
+    key = await admin.create_key(db, "alice")
+    clock = Clock()
+    auth = Authenticator(db, ProxySettings(), ttl_s=2.0, clock=clock)
+    principal = await auth.authenticate(bearer(key.secret))
+    assert principal.scopes == frozenset()
+    with pytest.raises(Forbidden) as info:
+        require_scope(principal, VERIFIER, "set a session outcome")
+    assert info.value.status == 403 and info.value.code == "missing_scope"
+    async with db.begin() as conn:  # as another process would
+        await conn.execute(update(ApiKey).where(ApiKey.prefix == key.info.prefix)
+                           .values(scopes=[VERIFIER]))
+    assert (await auth.authenticate(bearer(key.secret))).scopes == frozenset()  # cached
+    clock.now += 2.5
+    granted = await auth.authenticate(bearer(key.secret))
+    assert granted.scopes == frozenset({VERIFIER})
+    require_scope(granted, VERIFIER, "set a session outcome")
+    async with db.begin() as conn:
+        await conn.execute(update(ApiKey).where(ApiKey.prefix == key.info.prefix)
+                           .values(scopes=[]))
+    clock.now += 2.5
+    assert (await auth.authenticate(bearer(key.secret))).scopes == frozenset()
+
+
+async def test_key_scopes_are_checked_when_issued(db: AsyncEngine) -> None:
+    await admin.create_user(db, "alice")
+    key = await admin.create_key(db, "alice", scopes=[VERIFIER, VERIFIER])
+    assert key.info.scopes == [VERIFIER]
+    assert (await lookup_principal(db, key.secret)).scopes == frozenset({VERIFIER})
+    for bad in (["admin"], "verifier", [VERIFIER, "root"]):
+        with pytest.raises(BadRequest) as info:
+            await admin.create_key(db, "alice", scopes=bad)  # type: ignore[arg-type]
+        assert info.value.code == "invalid_scope"
+    assert len(await admin.list_keys(db, "alice")) == 1
 
 
 async def test_keys_in_use_are_refreshed_ahead_in_the_background(db: AsyncEngine) -> None:

@@ -109,7 +109,8 @@ async def test_body_limit_before_auth_on_every_route(proxy_factory: ProxyFactory
     before looking at the key (no key is sent) or reading anything. A body sent without a
     length is refused 401 before it is read where the route takes a key, and 413 while
     reading where it takes none."""
-    proxy = await proxy_factory(closed_port_url(), max_body_bytes=1000, admin_key="sekrit")
+    proxy = await proxy_factory(closed_port_url(), max_body_bytes=1000,
+                                admin_key="sekrit-admin-key-0123")
     big = b'{"name": "' + b"x" * 5000 + b'"}'
 
     async def chunks() -> Any:  # no Content-Length: the limit applies while reading

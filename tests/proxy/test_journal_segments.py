@@ -96,6 +96,27 @@ def test_forget_user_removes_only_theirs(tmp_path: Path) -> None:
     assert b'"user_id": 7' not in raw and journal.pending == 2
 
 
+def test_forget_user_keeps_segments_owner_only(tmp_path: Path) -> None:
+    """The rewritten segments hold other users' messages: 0600 like the journal writes
+    them, whatever the umask, and a leftover copy's wider mode is not inherited."""
+    journal = Journal(tmp_path / "j")
+    journal.append([record(1, user_id=7), record(2, user_id=8)])
+    journal.seal()
+    journal.append([record(3, user_id=7), record(4, user_id=9)])
+    first = journal.segments()[0]
+    leftover = first.with_suffix(".tmp")
+    leftover.write_bytes(b"")
+    leftover.chmod(0o644)
+    old = os.umask(0)
+    try:
+        assert journal.forget_user(7) == 2
+    finally:
+        os.umask(old)
+    modes = {s.name: s.stat().st_mode & 0o777 for s in journal.segments()}
+    assert len(modes) >= 2 and set(modes.values()) == {0o600}, modes
+    assert not leftover.exists()
+
+
 def test_legacy_file_becomes_first_segment(tmp_path: Path) -> None:
     legacy = tmp_path / "journal.jsonl"
     legacy.write_text(json.dumps(record(1).to_json()) + "\n")

@@ -12,6 +12,7 @@ import pytest
 from proxyharness import ProxyFactory, create_user, query
 
 from clawrl.cli.main import main as clawrl
+from proxy.auth import VERIFIER
 
 ASK: list[Any] = [{"role": "user", "content": "Who keeps the bakery?"}]
 
@@ -44,7 +45,7 @@ def _session(db_url: str, session_id: str) -> tuple[Any, ...]:
 async def test_outcome_by_either_id_last_one_wins(proxy_factory: ProxyFactory, db_url: str,
                                                  engine_url: str) -> None:
     proxy = await proxy_factory(engine_url)
-    _, key = create_user(db_url, "vera")
+    _, key = create_user(db_url, "vera", scopes=[VERIFIER])
     session_id, _ = await _episode(proxy, key, "episode-1")
     prefix = query(db_url, "SELECT prefix FROM api_keys")[0][0]
     async with httpx.AsyncClient(base_url=proxy.url, timeout=30,
@@ -65,8 +66,8 @@ async def test_outcome_by_either_id_last_one_wins(proxy_factory: ProxyFactory, d
 async def test_outcome_errors_are_openai_shaped(proxy_factory: ProxyFactory, db_url: str,
                                                engine_url: str) -> None:
     proxy = await proxy_factory(engine_url)
-    _, key = create_user(db_url, "walt")
-    _, other_key = create_user(db_url, "mallory")
+    _, key = create_user(db_url, "walt", scopes=[VERIFIER])
+    _, other_key = create_user(db_url, "mallory", scopes=[VERIFIER])
     session_id, _ = await _episode(proxy, key, "mine")
     await proxy.settle()
     mine = {"Authorization": f"Bearer {key}"}
@@ -102,7 +103,7 @@ async def test_outcome_errors_are_openai_shaped(proxy_factory: ProxyFactory, db_
 async def test_outcome_header_on_the_last_request(proxy_factory: ProxyFactory, db_url: str,
                                                   engine_url: str) -> None:
     proxy = await proxy_factory(engine_url)
-    _, key = create_user(db_url, "xena")
+    _, key = create_user(db_url, "xena", scopes=[VERIFIER])
     session_id, uids = await _episode(
         proxy, key, "agent-7", last={"X-Session-Outcome": "-1", "X-Session-Done": "1"})
     await proxy.settle()
@@ -132,12 +133,52 @@ async def test_outcome_header_on_the_last_request(proxy_factory: ProxyFactory, d
     assert rows == [(0.5, "header")]
 
 
+async def test_only_a_verifier_key_sets_an_outcome(proxy_factory: ProxyFactory,
+                                                  db_url: str, engine_url: str) -> None:
+    """An ordinary user's key cannot reward its own sessions: the route and the header
+    answer 403 `missing_scope`, and the header's request is refused whole, before the
+    engine (nothing stored, no turn, no session)."""
+    proxy = await proxy_factory(engine_url)
+    _, key = create_user(db_url, "ursula")
+    session_id, _ = await _episode(proxy, key, "self-graded")
+    await proxy.settle()
+    async with httpx.AsyncClient(base_url=proxy.url, timeout=30,
+                                 headers={"Authorization": f"Bearer {key}"}) as http:
+        for ref in ("self-graded", session_id):
+            posted = await http.post(f"/v1/sessions/{ref}/outcome", json={"outcome": 1})
+            assert posted.status_code == 403, posted.text
+            error = posted.json()["error"]
+            assert error["code"] == "missing_scope" and error["type"] == "permission_error"
+            assert "verifier" in error["message"]
+        for path, body in (("/v1/chat/completions", {"model": "tiny", "messages": ASK,
+                                                     "max_tokens": 3}),
+                           ("/v1/responses", {"model": "tiny", "input": "Who keeps the bakery?",
+                                              "max_output_tokens": 3})):
+            for stream in (False, True):
+                sent = await http.post(path, json={**body, "stream": stream}, headers={
+                    "X-Session-Id": "one-turn", "X-Session-Outcome": "1",
+                    "X-Session-Done": "1"})
+                assert sent.status_code == 403, (path, stream, sent.text)
+                assert sent.json()["error"]["code"] == "missing_scope"
+        # Feedback stays every user's: evidence for the judge, not a reward.
+        feedback = await http.post("/v1/feedback", json={"turn_id": _last_uid(db_url),
+                                                         "rating": 1})
+        assert feedback.status_code == 200, feedback.text
+    await proxy.settle()
+    assert query(db_url, "SELECT count(*) FROM turns") == [(2,)]
+    assert query(db_url, "SELECT external_id, outcome FROM sessions") == [("self-graded", None)]
+
+
+def _last_uid(db_url: str) -> str:
+    return str(query(db_url, "SELECT uid FROM turns ORDER BY id DESC LIMIT 1")[0][0])
+
+
 async def test_analysts_read_outcomes_in_sql(proxy_factory: ProxyFactory, db_url: str,
                                             engine_url: str, monkeypatch: pytest.MonkeyPatch,
                                             capsys: pytest.CaptureFixture[str]) -> None:
     """`clawrl sql` (the read-only `clawrl_sql` role) sees the outcome columns and views."""
     proxy = await proxy_factory(engine_url)
-    _, key = create_user(db_url, "yuri")
+    _, key = create_user(db_url, "yuri", scopes=[VERIFIER])
     session_id, uids = await _episode(proxy, key, "graded")
     async with httpx.AsyncClient(base_url=proxy.url, timeout=30) as http:
         response = await http.post("/v1/sessions/graded/outcome", json={"outcome": 0.75},
@@ -177,7 +218,7 @@ async def test_an_outcome_waits_for_turns_the_writer_journaled(
     proxy = await proxy_factory(engine_url)
     writer = proxy.app.state.writer
     writer.durable_within_s = 0.2  # journal what the database has not taken within 0.2 s
-    _, key = create_user(db_url, "otto")
+    _, key = create_user(db_url, "otto", scopes=[VERIFIER])
     async with httpx.AsyncClient(base_url=proxy.url, timeout=60,
                                  headers={"Authorization": f"Bearer {key}"}) as http:
         with turns_locked(db_url):
