@@ -349,7 +349,7 @@ async def test_no_key_no_body_read(proxy_factory: ProxyFactory, db_url: str) -> 
     """60 connections each declaring a 4 MB body, sending 64 KB of it and holding back the
     rest, with no key or a made-up one: every one is answered 401 from its headers (the
     body is never waited for) and closed; the same on the other routes that take a key."""
-    proxy = await proxy_factory(closed_port_url(), admin_key="sekrit")
+    proxy = await proxy_factory(closed_port_url(), admin_key="sekrit-admin-key-0123")
     size = 4 * 1024 * 1024
     made_up = "ck-0123456789ab-" + "x" * 43
 
