@@ -271,9 +271,11 @@ async def run_attack_rounds(config: EvalConfig, method: str, proxy_url: str, db_
 def _adversary_key(method: str) -> dict[str, Any]:
     """The adversary's key: the product's defaults when defended; when undefended, the
     verifier scope (it may set outcomes) and no limit on requests at once."""
+    from proxy.auth import VERIFIER
+
     if method == "defended":
         return {}
-    return {"rate_limit_rpm": 0, "max_concurrent": 0, "scopes": ["verifier"]}
+    return {"rate_limit_rpm": 0, "max_concurrent": 0, "scopes": [VERIFIER]}
 
 
 def _mean(rows: list[dict[str, Any]], key: str) -> float:
