@@ -26,12 +26,13 @@ import random
 import re
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
 from sqlalchemy import (
+    BigInteger,
     Table,
     Text,
     bindparam,
@@ -43,6 +44,7 @@ from sqlalchemy import (
     text,
     update,
 )
+from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.engine import Connection, Engine
 
 from clawrl.base.db import ChatSession, PolicyVersion, Sample, TrainingStep, Turn, User
@@ -249,7 +251,10 @@ FIRST_USER_MESSAGE = func.jsonb_path_query_first(
     literal_column("""'$[*] ? (@.role == "user").content'::jsonpath""")).cast(Text)
 
 
-def _select_ready(limit: int, outcome_wait_s: float = 0.0, user_id: int | None = None) -> Any:
+def _select_ready(limit: int, outcome_wait_s: float = 0.0, user_id: int | None = None,
+                  fair_order: Sequence[int] | None = None) -> Any:
+    """Lock up to `limit` ready samples nobody else holds: the oldest (of `user_id` only, when
+    given), or the first of `fair_order` (sample ids, see `fair_draw`) in that order."""
     query = (
         select(SAMPLES.c.id, SAMPLES.c.prompt_ids, SAMPLES.c.response_ids,
                SAMPLES.c.rollout_logprobs, SAMPLES.c.teacher_logprobs, SAMPLES.c.reward,
@@ -259,10 +264,15 @@ def _select_ready(limit: int, outcome_wait_s: float = 0.0, user_id: int | None =
         .join(TURNS, TURNS.c.id == SAMPLES.c.turn_id)
         .outerjoin(SESSIONS, SESSIONS.c.id == TURNS.c.session_id)
         .where(SAMPLES.c.trained_step.is_(None), SAMPLES.c.skipped_reason.is_(None))
-        .order_by(SAMPLES.c.id)
         .limit(limit)
         .with_for_update(of=SAMPLES, skip_locked=True)
     )
+    if fair_order is None:
+        query = query.order_by(SAMPLES.c.id)
+    else:
+        order = bindparam("fair_order", list(fair_order), type_=ARRAY(BigInteger))
+        query = (query.where(SAMPLES.c.id == func.any(order))
+                 .order_by(func.array_position(order, SAMPLES.c.id)))
     if outcome_wait_s > 0:  # hold a sample back while its session's outcome may still come
         cutoff = text("now() - make_interval(secs => :outcome_wait_s)").bindparams(
             outcome_wait_s=outcome_wait_s)
@@ -271,6 +281,89 @@ def _select_ready(limit: int, outcome_wait_s: float = 0.0, user_id: int | None =
     if user_id is not None:  # personal mode: one user's samples only
         query = query.where(SAMPLES.c.user_id == user_id)
     return query
+
+
+# Fair share (shared mode). Each user's oldest ready samples, up to :per_user of them, one
+# index probe per user with ready samples (a loose index scan of ix_samples_ready_user), so
+# the draw does not read every waiting sample. {held} holds back what `_select_ready` would
+# (a session's outcome still awaited).
+_HEADS_SQL = """
+WITH RECURSIVE owners(user_id) AS (
+    (SELECT user_id FROM samples
+     WHERE trained_step IS NULL AND skipped_reason IS NULL
+     ORDER BY user_id LIMIT 1)
+    UNION ALL
+    SELECT (SELECT s.user_id FROM samples s
+            WHERE s.trained_step IS NULL AND s.skipped_reason IS NULL AND s.user_id > o.user_id
+            ORDER BY s.user_id LIMIT 1)
+    FROM owners o WHERE o.user_id IS NOT NULL
+)
+SELECT h.id, o.user_id FROM owners o
+CROSS JOIN LATERAL (
+    SELECT s.id FROM samples s {join}
+    WHERE s.user_id = o.user_id AND s.trained_step IS NULL AND s.skipped_reason IS NULL {held}
+    ORDER BY s.id
+    LIMIT :per_user
+) h
+WHERE o.user_id IS NOT NULL
+"""
+_HEADS_HELD_JOIN = ("JOIN turns t ON t.id = s.turn_id "
+                    "LEFT JOIN sessions ss ON ss.id = t.session_id")
+_HEADS_HELD = ("AND (ss.outcome IS NOT NULL "
+               "OR s.created_at <= now() - make_interval(secs => :outcome_wait_s))")
+
+# Samples of each user trained into the shared model within the window (personal steps,
+# `training_steps.user_id` set, are not the shared model's).
+_WINDOW_SQL = """
+SELECT s.user_id, count(*) AS n
+FROM training_steps ts JOIN samples s ON s.trained_step = ts.step
+WHERE ts.user_id IS NULL AND ts.created_at > now() - make_interval(secs => :window_s)
+GROUP BY s.user_id
+"""
+
+
+def fair_order(heads: Sequence[tuple[int, int]], *, batch_size: int, user_cap: int,
+               window_cap: int | None = None,
+               trained: Mapping[int, int] | None = None) -> list[int]:
+    """The samples a shared-mode batch may take, best first: round robin across users (every
+    user's first sample, oldest first, then every user's second, …).
+
+    `heads`: (sample id, user id) of each user's oldest ready samples. A user's samples are
+    cut to what their window allows (`window_cap` minus `trained[user]`, the samples of theirs
+    trained within the window; None: no window cap), then, while another user has samples
+    waiting too, to `user_cap`; a user alone may fill the batch. The caller locks the first
+    `batch_size` of the list it can (another trainer's locked rows are passed over)."""
+    per_user: dict[int, list[int]] = {}
+    for sample_id, user in heads:
+        per_user.setdefault(user, []).append(sample_id)
+    trained = trained or {}
+    for user, ids in per_user.items():
+        ids.sort()
+        if window_cap is not None:
+            del ids[max(0, window_cap - trained.get(user, 0)):]
+    waiting = [ids for ids in per_user.values() if ids]
+    cap = user_cap if len(waiting) > 1 else batch_size
+    ranked = sorted((rank, sample_id) for ids in waiting
+                    for rank, sample_id in enumerate(ids[:cap]))
+    return [sample_id for _, sample_id in ranked]
+
+
+def fair_draw(conn: Connection, cfg: TrainerSettings) -> list[int]:
+    """`fair_order` on the database's ready samples: each user's oldest `batch_size` and, with
+    a window cap, what each user trained within `user_window_s`. Reads without locking."""
+    held = cfg.outcome_wait_s > 0
+    heads_sql = _HEADS_SQL.format(join=_HEADS_HELD_JOIN if held else "",
+                                  held=_HEADS_HELD if held else "")
+    params: dict[str, Any] = {"per_user": cfg.batch_size}
+    if held:
+        params["outcome_wait_s"] = cfg.outcome_wait_s
+    heads = [(r.id, r.user_id) for r in conn.execute(text(heads_sql), params)]
+    window_cap, trained = cfg.user_window_cap, {}
+    if heads and window_cap is not None:
+        trained = {r.user_id: int(r.n) for r in conn.execute(
+            text(_WINDOW_SQL), {"window_s": cfg.user_window_s})}
+    return fair_order(heads, batch_size=cfg.batch_size, user_cap=cfg.user_batch_cap,
+                      window_cap=window_cap, trained=trained)
 
 
 def replay_batch(db: Engine, cfg: TrainerSettings, rng: random.Random,
@@ -328,7 +421,14 @@ def claim_batch(
     while not should_stop():
         conn = db.connect()
         conn.begin()
-        rows = conn.execute(_select_ready(cfg.batch_size, cfg.outcome_wait_s, user_id)).all()
+        if user_id is None:  # the shared model: fair across users
+            order = fair_draw(conn, cfg)
+            rows = sorted(conn.execute(_select_ready(
+                cfg.batch_size, cfg.outcome_wait_s, fair_order=order)).all(),
+                key=lambda r: r.id) if order else []
+        else:  # personal mode: the user's own samples, oldest first
+            rows = list(conn.execute(_select_ready(cfg.batch_size, cfg.outcome_wait_s,
+                                                   user_id)).all())
         reasons = [(r.id, skip_reason(r, cfg, limits, current_version)) for r in rows]
         bad = [(i, why) for i, why in reasons if why is not None]
         if bad:
