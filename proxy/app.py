@@ -44,7 +44,7 @@ from proxy.auth import Authenticator
 from proxy.chat import ChatEndpoint, ClientGone, read_body, send_json
 from proxy.endpoints import router
 from proxy.journal import Journal
-from proxy.metrics import MetricsMiddleware, ProxyMetrics
+from proxy.metrics import TRAINED_SHARES_REFRESH_S, MetricsMiddleware, ProxyMetrics
 from proxy.responses import RESPONSES_PATH, ResponsesEndpoint
 from proxy.sessions import close_stale_turns
 from proxy.store import TurnWriter
@@ -166,7 +166,10 @@ def create_app(settings: Settings, *, db_url: str | None = None,
         tasks = [asyncio.create_task(_every(min(60.0, cfg.session_timeout_s / 4), sweep,
                                             "close_stale_turns")),
                  asyncio.create_task(_every(WEIGHT_VERSION_POLL_S, app.state.upstream.model_info,
-                                            "poll_weight_version", now=True))]
+                                            "poll_weight_version", now=True)),
+                 asyncio.create_task(_every(TRAINED_SHARES_REFRESH_S,
+                                            lambda: app.state.metrics.trained_shares.refresh(db),
+                                            "trained_shares", now=True))]
         try:
             yield
         finally:
