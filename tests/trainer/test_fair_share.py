@@ -192,4 +192,4 @@ def test_training_shares_view_per_version_and_user(db: Engine,
             "SELECT has_table_privilege('clawrl_readonly', 'training_shares', 'SELECT') "
             "FROM pg_roles WHERE rolname = 'clawrl_readonly'")).scalar()
     assert [tuple(r) for r in rows] == [(1, "ada", 3, 4, 0.75), (1, "bob", 1, 4, 0.25)]
-    assert readonly in (None, True)  # granted wherever the role exists
+    assert readonly is True  # `clawrl sql` reads it (migration 0004 made the role)
