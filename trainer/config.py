@@ -137,7 +137,8 @@ class TrainerSettings(BaseModel):
     # One user's samples trained into the shared model within the last `user_window_s`
     # seconds are at most `user_window_batches` × `batch_size`: a user who is the only one
     # active cannot fill version after version. Beyond it their samples wait, queued (or are
-    # skipped 'stale' if the model moves on meanwhile). 0: no cap per window.
+    # skipped 'stale' if the model moves on meanwhile). 0: no cap per window. Only where more
+    # than one user may train: a stack with a single user is that person's own.
     user_window_batches: float = Field(default=4.0, ge=0)
     user_window_s: float = Field(default=3600.0, gt=0)
 

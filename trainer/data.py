@@ -327,6 +327,11 @@ GROUP BY s.user_id
 """
 
 
+# Whether more than one user may train the shared model (not opted out of training): the
+# window cap bounds one tenant among others; a stack with one user is that user's own.
+_TENANTS_SQL = "SELECT count(*) FROM (SELECT 1 FROM users WHERE NOT train_opt_out LIMIT 2) u"
+
+
 def fair_order(heads: Sequence[tuple[int, int]], *, batch_size: int, user_cap: int,
                window_cap: int | None = None,
                trained: Mapping[int, int] | None = None) -> list[int]:
@@ -364,6 +369,8 @@ def fair_draw(conn: Connection, cfg: TrainerSettings) -> list[int]:
         params["outcome_wait_s"] = cfg.outcome_wait_s
     heads = [(r.id, r.user_id) for r in conn.execute(text(heads_sql), params)]
     window_cap, trained = cfg.user_window_cap, {}
+    if window_cap is not None and conn.execute(text(_TENANTS_SQL)).scalar_one() < 2:
+        window_cap = None  # one person's own stack: their learning is theirs to pace
     if heads and window_cap is not None:
         trained = {r.user_id: int(r.n) for r in conn.execute(
             text(_WINDOW_SQL), {"window_s": cfg.user_window_s})}

@@ -92,13 +92,14 @@ def test_a_big_user_takes_at_most_a_quarter_while_others_wait(
 def test_a_user_alone_is_held_by_the_window_and_loses_nothing(
         db: Engine, add_sample: SampleFactory, sample_state: States) -> None:
     loud = add_user(db, "loud")
+    quiet_user = add_user(db, "quiet")  # another tenant, with nothing to train yet
     ids = [add_sample(user_id=loud) for _ in range(20)]
     settings = cfg(batch_size=4, user_window_batches=2, user_window_s=3600)
     assert train(db, settings, 1) == ids[:4]
     assert train(db, settings, 2) == ids[4:8]
     assert train(db, settings, 3) is None  # 8 trained within the hour: the window is full
     # Another user's samples still train meanwhile.
-    quiet = add_sample(user_id=add_user(db, "quiet"))
+    quiet = add_sample(user_id=quiet_user)
     assert train(db, settings, 3) == [quiet]
     # Held back, not lost: the rest of the loud user's samples wait, unmarked.
     state = sample_state()
@@ -193,3 +194,18 @@ def test_training_shares_view_per_version_and_user(db: Engine,
             "FROM pg_roles WHERE rolname = 'clawrl_readonly'")).scalar()
     assert [tuple(r) for r in rows] == [(1, "ada", 3, 4, 0.75), (1, "bob", 1, 4, 0.25)]
     assert readonly is True  # `clawrl sql` reads it (migration 0004 made the role)
+
+
+def test_a_stack_with_one_user_is_not_held_by_the_window(
+        db: Engine, add_sample: SampleFactory) -> None:
+    """One person's own stack: the window bounds a tenant among others, not its only user."""
+    ids = [add_sample() for _ in range(12)]  # the fixture's one user
+    settings = cfg(batch_size=4, user_window_batches=1, user_window_s=3600)
+    assert [train(db, settings, k) for k in (1, 2, 3)] == [ids[:4], ids[4:8], ids[8:12]]
+    # A second user who may train makes it a shared stack: the window holds again.
+    add_user(db, "guest")
+    more = [add_sample() for _ in range(4)]
+    assert train(db, settings, 4) is None
+    with db.begin() as conn:  # the guest opts out of training: one tenant again
+        conn.execute(text("UPDATE users SET train_opt_out = true WHERE name = 'guest'"))
+    assert train(db, settings, 4) == more
