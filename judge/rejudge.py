@@ -22,9 +22,9 @@ from judge.prompts import check_version
 # One statement: insert the jobs and notify the workers (delivered at commit).
 _REJUDGE_SQL = """
 WITH picked AS (
-    INSERT INTO jobs (kind, turn_id, payload)
+    INSERT INTO jobs (kind, turn_id, payload, user_id)
     SELECT 'judge', t.id, jsonb_build_object('prompt_version', CAST(:version AS text),
-                                             'rejudge', true)
+                                             'rejudge', true), t.user_id
     FROM turns t JOIN users u ON u.id = t.user_id
     WHERE t.kind = 'main' AND t.next_state IS NOT NULL AND NOT u.train_opt_out
       AND t.created_at >= :since AND (CAST(:until AS timestamptz) IS NULL OR t.created_at < :until)

@@ -638,7 +638,7 @@ def sql_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(
         prog="clawrl sql", description="Run one read-only SQL statement and print a table.",
         epilog="Views: turns_with_rewards, reward_by_version, activity_by_user, session_turns, "
-               "session_outcomes.")
+               "session_outcomes, training_shares.")
     p.add_argument("query")
     p.add_argument("--timeout", type=float, default=60.0, help="statement timeout, seconds")
     p.add_argument("--max-width", type=int, default=80, help="cut cells wider than this (0: no)")

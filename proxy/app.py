@@ -61,7 +61,7 @@ from proxy.chat import (
 )
 from proxy.endpoints import router
 from proxy.journal import Journal
-from proxy.metrics import MetricsMiddleware, ProxyMetrics
+from proxy.metrics import TRAINED_SHARES_REFRESH_S, MetricsMiddleware, ProxyMetrics
 from proxy.prompt_size import PromptSizer
 from proxy.responses import RESPONSES_PATH, ResponsesEndpoint
 from proxy.sessions import close_stale_turns
@@ -284,7 +284,10 @@ def create_app(settings: Settings, *, db_url: str | None = None,
         tasks = [asyncio.create_task(_every(min(60.0, cfg.session_timeout_s / 4), sweep,
                                             "close_stale_turns")),
                  asyncio.create_task(_every(WEIGHT_VERSION_POLL_S, poll_engine,
-                                            "poll_weight_version", now=True))]
+                                            "poll_weight_version", now=True)),
+                 asyncio.create_task(_every(TRAINED_SHARES_REFRESH_S,
+                                            lambda: app.state.metrics.trained_shares.refresh(db),
+                                            "trained_shares", now=True))]
         try:
             yield
         finally:

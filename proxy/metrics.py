@@ -3,19 +3,76 @@
 Each app owns its registry (several apps can live in one process, e.g. in tests). Requests
 are counted and timed by a pure ASGI middleware (no BaseHTTPMiddleware: it would buffer
 streams); for a streamed reply the latency runs to the end of the stream.
+
+Each user's share of what the shared model was trained on (`TrainedShares`) is read from the
+database every `TRAINED_SHARES_REFRESH_S` by the app's lifespan, never per scrape.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncEngine
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 # Label values are limited to known routes, so a scanner cannot blow up cardinality.
 ROUTES = frozenset({"/v1/chat/completions", "/v1/responses", "/v1/models", "/v1/feedback", "/healthz",
                     "/readyz", "/metrics"})
+
+
+# The shared model's newest versions the shares are taken over, and how often they are read.
+TRAINED_SHARES_VERSIONS = 20
+TRAINED_SHARES_REFRESH_S = 60.0
+
+# Samples per user in the shared model's newest :versions training steps (personal steps
+# have `training_steps.user_id` set). Walks the step primary key back and reads each step's
+# samples by ix_samples_trained_step: a bounded read whatever the history.
+_SHARES_SQL = text("""
+WITH recent AS (
+    SELECT step FROM training_steps WHERE user_id IS NULL ORDER BY step DESC LIMIT :versions
+)
+SELECT s.user_id, count(*) AS n FROM recent r JOIN samples s ON s.trained_step = r.step
+GROUP BY s.user_id
+""")
+
+
+class TrainedShares(Collector):
+    """`clawrl_trained_share{user_id}` and `clawrl_trained_samples_recent{user_id}`: each
+    user's samples in the shared model's newest `versions` versions and their share of them.
+
+    Labelled by user id, not name: `/metrics` is open to whoever reaches the port, and names
+    are the operator's to read (the `training_shares` view). A snapshot read by `refresh`,
+    replaced whole, so a scrape never sees half of one and a user who left the window drops
+    out of the metric."""
+
+    def __init__(self, versions: int = TRAINED_SHARES_VERSIONS) -> None:
+        self.versions = versions
+        self.counts: dict[int, int] = {}
+
+    async def refresh(self, db: AsyncEngine) -> None:
+        async with db.connect() as conn:
+            rows = (await conn.execute(_SHARES_SQL, {"versions": self.versions})).all()
+        self.counts = {int(r.user_id): int(r.n) for r in rows}
+
+    def collect(self) -> Iterator[Metric]:
+        counts = self.counts
+        total = sum(counts.values())
+        share = GaugeMetricFamily(
+            "clawrl_trained_share", f"Share of the samples trained into the shared model in "
+            f"its newest {self.versions} versions, per user", labels=["user_id"])
+        samples = GaugeMetricFamily(
+            "clawrl_trained_samples_recent", f"Samples trained into the shared model in its "
+            f"newest {self.versions} versions, per user", labels=["user_id"])
+        for user_id, n in sorted(counts.items()):
+            share.add_metric([str(user_id)], n / total)
+            samples.add_metric([str(user_id)], n)
+        yield share
+        yield samples
 
 
 class ProxyMetrics:
@@ -45,6 +102,8 @@ class ProxyMetrics:
                                        "after it ended unexpectedly", registry=self.registry)
         self.turns_spilled = Counter("clawrl_turns_spilled", "Turns moved to the journal "
                                      "because the backlog was full", registry=self.registry)
+        self.trained_shares = TrainedShares()
+        self.registry.register(self.trained_shares)
 
     def count_tokens(self, prompt: int, completion: int) -> None:
         if prompt:

@@ -284,8 +284,8 @@ def session_candidates(user_id: int, ref: str) -> list[uuid.UUID]:
 # (the outcome set again). Callers hold the session row's lock (the outcome's UPDATE or
 # upsert), so two outcomes of one session cannot both pass the NOT EXISTS.
 _ENQUEUE_FINAL = text(f"""
-INSERT INTO jobs (kind, turn_id, payload)
-SELECT 'judge', t.id, '{{"{OUTCOME_ONLY}": true}}'::jsonb
+INSERT INTO jobs (kind, turn_id, payload, user_id)
+SELECT 'judge', t.id, '{{"{OUTCOME_ONLY}": true}}'::jsonb, t.user_id
 FROM turns t JOIN users u ON u.id = t.user_id
 WHERE t.id = (SELECT id FROM turns WHERE session_id = :session_id AND kind = 'main'
               ORDER BY index_in_session DESC, id DESC LIMIT 1)
@@ -414,7 +414,7 @@ async def _record_turn(conn: AsyncConnection, rec: TurnRecord, include_system: b
         await conn.execute(_CONTINUE, {"matched_id": matched.id, "new_id": new_id,
                                        "messages": rec.request_messages[prefix_len:]})
         if not rec.train_opt_out:
-            await conn.execute(enqueue_stmt("judge", matched.id))
+            await conn.execute(enqueue_stmt("judge", matched.id, user_id=rec.user_id))
             judged = True
     if rec.session_done and session_id is not None:
         await conn.execute(update(Turn).where(Turn.session_id == session_id,

@@ -242,6 +242,9 @@ class Job(Base):
     __table_args__ = (
         Index("ix_jobs_claimable", "kind", "available_at", "id",
               postgresql_where=text("status IN ('queued', 'running')")),
+        # The fair claim (clawrl/base/jobs.py): each user's claimable jobs, oldest first.
+        Index("ix_jobs_claimable_owner", "kind", text("coalesce(user_id, 0)"), "available_at",
+              "id", postgresql_where=text("status IN ('queued', 'running')")),
     )
 
 
@@ -294,6 +297,12 @@ class Sample(Base):
     __table_args__ = (
         Index("ix_samples_ready", "id",
               postgresql_where=text("trained_step IS NULL AND skipped_reason IS NULL")),
+        # The trainer's fair claim (trainer/data.py): each user's ready samples, oldest first.
+        Index("ix_samples_ready_user", "user_id", "id",
+              postgresql_where=text("trained_step IS NULL AND skipped_reason IS NULL")),
+        # A step's samples: a user's share of what was trained (window cap, view, /metrics).
+        Index("ix_samples_trained_step", "trained_step",
+              postgresql_where=text("trained_step IS NOT NULL")),
     )
 
 
@@ -315,6 +324,10 @@ class TrainingStep(Base):
     created_at: Mapped[dt.datetime] = _now()
     # Personal mode: the user whose adapter this step trained; NULL: the shared model.
     user_id: Mapped[int | None] = mapped_column(ForeignKey("users.id", ondelete="CASCADE"))
+
+    __table_args__ = (
+        Index("ix_training_steps_created_at", "created_at"),
+    )
 
 
 class ConsoleSession(Base):

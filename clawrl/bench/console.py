@@ -70,7 +70,7 @@ FILL = [
     " t.next_state_at + interval '3 s' "
     "FROM turns t CROSS JOIN LATERAL (SELECT CASE t.id % 7 WHEN 0 THEN NULL WHEN 1 THEN -1"
     " WHEN 2 THEN 0 ELSE 1 END AS reward) r WHERE t.id % 5 <> 0 AND t.kind = 'main'",
-    "INSERT INTO jobs (kind, turn_id) SELECT 'judge', id FROM turns "
+    "INSERT INTO jobs (kind, turn_id, user_id) SELECT 'judge', id, user_id FROM turns "
     "WHERE id > (SELECT max(id) - 500 FROM turns)",
     "INSERT INTO training_steps (step, version, status, num_samples, num_tokens, loss) "
     "SELECT v, v, 'ok', 16, 4096, 1.0 / v FROM generate_series(1, {versions}) v",

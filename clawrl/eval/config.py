@@ -179,7 +179,12 @@ def stack_env(config: EvalConfig, method: str) -> dict[str, str]:
                                              if config.full_batches and method != "opd"
                                              else PARTIAL_AFTER_S),
            "CLAWRL_TRAINER__POLL_S": "0.5",
-           "CLAWRL_TRAINER__SEED": str(config.seed)}
+           "CLAWRL_TRAINER__SEED": str(config.seed),
+           # The eval measures learning from its own few simulated users, who chat until
+           # a batch is ready: no fair-share caps (a cap of a quarter per user would hold a
+           # two-user batch at half, docs/trainer.md "Fair share").
+           "CLAWRL_TRAINER__USER_BATCH_SHARE": "1",
+           "CLAWRL_TRAINER__USER_WINDOW_BATCHES": "0"}
     if config.mini_batches != 1:
         env["CLAWRL_TRAINER__MINI_BATCHES"] = str(config.mini_batches)
     if config.reward_baseline is not None:

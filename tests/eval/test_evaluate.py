@@ -387,6 +387,9 @@ def test_the_toolcall_track_defaults_and_its_methods_settings() -> None:
     assert evalconfig.stack_env(cli.parse_args(["--replay-coef", "0.5"]),
                                 "combine")["CLAWRL_TRAINER__REPLAY_COEF"] == "0.5"
     assert "CLAWRL_TRAINER__MINI_BATCHES" not in chat
+    # Its few simulated users fill batches without the trainer's fair-share caps.
+    assert (chat["CLAWRL_TRAINER__USER_BATCH_SHARE"],
+            chat["CLAWRL_TRAINER__USER_WINDOW_BATCHES"]) == ("1", "0")
     # Versions are full batches on any machine; only opd's may be partial.
     assert chat["CLAWRL_TRAINER__MAX_WAIT_S"] == envs[0]["CLAWRL_TRAINER__MAX_WAIT_S"] == \
         str(evalconfig.FULL_BATCH_WAIT_S)
