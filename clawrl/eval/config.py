@@ -22,8 +22,11 @@ TRACK_METHODS = {"outcome+process": 0.5, "outcome": 1.0, "process": 0.0}
 TOOLCALL_METHODS = (*TRACK_METHODS, "none")
 # `--attack`: the product as it ships, and with its defences against one user off.
 ATTACK_METHODS = ("defended", "undefended")
+# The trainer's fair-share caps off (docs/trainer.md "Fair share").
+NO_FAIR_SHARE = {"CLAWRL_TRAINER__USER_BATCH_SHARE": "1",
+                 "CLAWRL_TRAINER__USER_WINDOW_BATCHES": "0"}
 # The trainer's settings that bound one user's influence, turned off for `undefended`.
-UNDEFENDED_TRAINER: dict[str, str] = {}
+UNDEFENDED_TRAINER: dict[str, str] = {**NO_FAIR_SHARE}
 # The tool-call track trains as `clawrl up` trains the tool-call model (trainer/config.py
 # TOOLS_RECIPE): its learning rate and the batch-mean baseline.
 TOOLCALL_LR = float(TOOLS_RECIPE["lr"])
@@ -179,12 +182,16 @@ def stack_env(config: EvalConfig, method: str) -> dict[str, str]:
                                              if config.full_batches and method != "opd"
                                              else PARTIAL_AFTER_S),
            "CLAWRL_TRAINER__POLL_S": "0.5",
-           "CLAWRL_TRAINER__SEED": str(config.seed),
-           # The eval measures learning from its own few simulated users, who chat until
-           # a batch is ready: no fair-share caps (a cap of a quarter per user would hold a
-           # two-user batch at half, docs/trainer.md "Fair share").
-           "CLAWRL_TRAINER__USER_BATCH_SHARE": "1",
-           "CLAWRL_TRAINER__USER_WINDOW_BATCHES": "0"}
+           "CLAWRL_TRAINER__SEED": str(config.seed)}
+    if not config.attack:
+        # The eval measures learning from its own few simulated users, who chat until a
+        # batch is ready: no fair-share caps (a cap of a quarter per user would hold a
+        # two-user batch at half, docs/trainer.md "Fair share").
+        env.update(NO_FAIR_SHARE)
+    else:
+        # The product's caps (`defended`) hold a batch partial while one user is over its
+        # share: it trains PARTIAL_AFTER_S after its first sample, as `clawrl up` would.
+        env["CLAWRL_TRAINER__MAX_WAIT_S"] = str(PARTIAL_AFTER_S)
     if config.mini_batches != 1:
         env["CLAWRL_TRAINER__MINI_BATCHES"] = str(config.mini_batches)
     if config.reward_baseline is not None:
