@@ -46,6 +46,7 @@ from proxy.auth import Principal
 from proxy.limits import Lease, estimate_tokens, used_tokens
 from proxy.openai_types import ChatCompletionRequest, parse_chat_request, parse_outcome_header
 from proxy.records import TurnRecord
+from proxy.sampling import applied_sampling
 from proxy.sessions import MAX_SESSION_ID, explicit_session_id
 from proxy.sse import ChatRenderer, Last, Renderer, StreamCollector, relay
 from proxy.upstream import EngineReply, adapter_missing, client_view, engine_body, parse_reply
@@ -223,15 +224,17 @@ class ChatEndpoint:
         outcome = parse_outcome_header(headers.get(b"x-session-outcome"))
         if not body.get("model"):
             body["model"] = settings.served_model_name or "default"
+        sampling = applied_sampling(body, await state.upstream.defaults())
         # Fair share last, once the request is known to be valid: a slot among the key's
         # requests in flight and its estimated tokens (corrected when the reply ends).
         prompt_bytes = len(raw) if not context else min(len(raw), 4 * context)
         lease = state.authenticator.limits.admit(
             principal, estimate_tokens(prompt_bytes, chat.requested_tokens))
-        turn = ChatTurn(principal, body, chat, lease, began, {}, shape)
+        turn = ChatTurn(principal, body, chat, lease, began, {}, shape, sampling=sampling)
         turn.record = None if principal.log_opt_out else new_record(
             principal, body, kind, session_ext, headers, outcome, uid=turn.uid, extra=extra)
         if turn.record is not None:
+            turn.record.sampling = sampling
             turn.out["X-Clawrl-Turn-Id"] = turn.record.uid
             if session_ext is not None:
                 turn.out["X-Clawrl-Session-Id"] = str(
@@ -292,8 +295,8 @@ class ChatEndpoint:
         adapter, stream = turn.principal.adapter, bool(turn.chat.stream)
         try:
             try:
-                return await until_disconnect(
-                    receive, call(engine_body(turn.body, stream=stream, adapter=adapter)))
+                return await until_disconnect(receive, call(engine_body(
+                    turn.body, stream=stream, adapter=adapter, sampling=turn.sampling)))
             except BadRequest as exc:
                 if adapter is None or not adapter_missing(exc, adapter):
                     raise
@@ -302,7 +305,7 @@ class ChatEndpoint:
                 if turn.record is not None:
                     turn.record.adapter = turn.record.adapter_version = None
                 return await until_disconnect(
-                    receive, call(engine_body(turn.body, stream=stream)))
+                    receive, call(engine_body(turn.body, stream=stream, sampling=turn.sampling)))
         except ClientGone:
             self._log(turn, "client_disconnected", "The client left before the reply was ready.")
             raise
@@ -361,6 +364,8 @@ class ChatTurn:
     shape: ReplyShape
     uid: str = field(default_factory=lambda: str(uuid.uuid4()))
     record: TurnRecord | None = None
+    # The distribution the engine samples with, every parameter explicit (proxy/sampling.py).
+    sampling: dict[str, Any] | None = None
 
 
 def new_record(principal: Principal, body: dict[str, Any], kind: str, session_ext: str | None,
