@@ -224,7 +224,7 @@ class ChatEndpoint:
         outcome = parse_outcome_header(headers.get(b"x-session-outcome"))
         if not body.get("model"):
             body["model"] = settings.served_model_name or "default"
-        sampling = applied_sampling(body, await state.upstream.defaults())
+        sampling = applied_sampling(body, state.upstream.sampling_defaults)
         # Fair share last, once the request is known to be valid: a slot among the key's
         # requests in flight and its estimated tokens (corrected when the reply ends).
         prompt_bytes = len(raw) if not context else min(len(raw), 4 * context)

@@ -8,7 +8,11 @@ proxy resolves every parameter that shapes the distribution itself — the reque
 else the engine's default, else the neutral value — and sends all of them. The engine's
 defaults come from `/model_info`'s `preferred_sampling_params` (SGLang's field: its
 `--preferred-sampling-params`, which deploy/sglang.sh fills from generation_config.json; the
-embedded engine reports its generation_config defaults there). `repetition_penalty` is never
+embedded engine reports its generation_config defaults there), read by the proxy's
+weight-version poll. A chat never waits for them: until the poll has read them once (the
+engine was down when the proxy started), a parameter the request leaves unset is neither
+sent nor known — stored as null, and the engine applies its own default; the trainer skips
+such a turn when its temperature is the unknown one. `repetition_penalty` is never
 a client's to set (openai_types refuses it) and is pinned at 1: the trainer cannot correct for
 it, so a model whose generation_config sets one is served without it.
 
@@ -47,12 +51,15 @@ def parse_defaults(value: Any) -> dict[str, float]:
     return out
 
 
-def applied_sampling(body: dict[str, Any], defaults: dict[str, float]) -> dict[str, Any]:
-    """The distribution the engine samples `body` with, given the engine's `defaults`."""
+def applied_sampling(body: dict[str, Any], defaults: dict[str, float] | None) -> dict[str, Any]:
+    """The distribution the engine samples `body` with, given the engine's `defaults` (None:
+    not known yet; a parameter the request leaves unset is then None, the engine's own)."""
     out: dict[str, Any] = {}
     for key, neutral in NEUTRAL.items():
         value = body.get(key)
-        out[key] = value if value is not None else defaults.get(key, neutral)
+        if value is None and defaults is not None:
+            value = defaults.get(key, neutral)
+        out[key] = value
     for key in PENALTIES:
         out[key] = body.get(key) or 0.0
     out["repetition_penalty"] = 1.0
@@ -62,5 +69,7 @@ def applied_sampling(body: dict[str, Any], defaults: dict[str, float]) -> dict[s
 
 def engine_fields(sampling: dict[str, Any]) -> dict[str, Any]:
     """The fields sent to the engine so it applies exactly `sampling` (whatever its defaults):
-    every distribution parameter, explicit. (The biases go as the client sent them.)"""
-    return {key: sampling[key] for key in (*NEUTRAL, *PENALTIES, "repetition_penalty")}
+    every distribution parameter that is known, explicit. (The biases go as the client sent
+    them.)"""
+    return {key: sampling[key] for key in (*NEUTRAL, *PENALTIES, "repetition_penalty")
+            if sampling[key] is not None}

@@ -205,19 +205,8 @@ class Upstream:
         # (`max_model_len`, SGLang); None until known.
         self.context_length: int | None = None
         # The engine's sampling defaults (proxy/sampling.py), from /model_info; None until
-        # read once.
+        # the poll first reads it (a chat never waits for it: see proxy/sampling.py).
         self.sampling_defaults: dict[str, float] | None = None
-
-    async def defaults(self) -> dict[str, float]:
-        """The engine's sampling defaults: read from /model_info on the first call that
-        finds them unknown (a chat arriving before the start-up poll reached the engine);
-        when the engine does not answer, none (the neutral values are sent, and recorded)."""
-        if self.sampling_defaults is None:
-            try:
-                await self.model_info()
-            except (ClawrlError, ValueError):
-                return {}
-        return self.sampling_defaults or {}
 
     async def aclose(self) -> None:
         if self.pool is not None:

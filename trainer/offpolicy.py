@@ -14,7 +14,8 @@ What it cannot correct for is never trained (`off_policy_reason`, a `skipped_rea
 - presence / frequency penalties and a repetition penalty other than 1: they depend on the
   tokens so far and are applied before the logprobs are taken, so the recorded logprobs are
   of a distribution the policy is not;
-- a temperature that is not a finite number in [0, 2] (the proxy's bound).
+- a temperature that is not a finite number in [0, 2] (the proxy's bound), or unknown (null:
+  the request left it unset before the proxy had read the engine's defaults).
 
 Truncation (top_p, top_k, min_p) is ignored on both sides: the recorded logprob and the
 recomputed one are both of the untruncated tempered distribution, so the ratio stays exactly
@@ -60,6 +61,8 @@ def off_policy_reason(sampling: Any) -> str | None:
             return f"off_policy: {name}"
     if _number(sampling.get("repetition_penalty"), 1.0) != 1.0:
         return "off_policy: repetition_penalty"
+    if "temperature" in sampling and sampling["temperature"] is None:
+        return "off_policy: temperature unknown"
     temperature = _number(sampling.get("temperature"), 1.0)
     if temperature is None or not 0.0 <= temperature <= MAX_TEMPERATURE:
         return "off_policy: temperature"

@@ -74,6 +74,12 @@ def test_applied_sampling_is_the_request_over_the_engine_defaults() -> None:
         "temperature": 0.0, "top_p": 0.9, "top_k": -1, "min_p": 0.0, "presence_penalty": 0.0,
         "frequency_penalty": 0.0, "repetition_penalty": 1.0}
     assert sent["logit_bias"] == {"5": 10}
+    # Defaults not read yet: what the request leaves unset is unknown, and not sent.
+    unknown = applied_sampling({"top_p": 0.5}, None)
+    assert unknown["temperature"] is None and unknown["top_k"] is None
+    assert unknown["top_p"] == 0.5 and unknown["repetition_penalty"] == 1.0
+    sent = engine_body({"messages": OK}, stream=True, sampling=unknown)
+    assert "temperature" not in sent and "top_k" not in sent and sent["top_p"] == 0.5
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +101,8 @@ async def test_turns_store_the_sampling_the_engine_applied(
     another temperature, other logprobs. Whole and streamed replies alike."""
     proxy = await proxy_factory(warm_engine_url)
     _, key = create_user(db_url, "u")
+    # What the start-up poll does, done here so the first request surely finds it done.
+    await proxy.app.state.upstream.model_info()
     base = {"model": "m", "messages": OK, "max_tokens": 6, "seed": 11}
     bodies = [base, {**base, "temperature": 0.7}, {**base, "temperature": 1.3, "top_k": 20},
               {**base, "stream": True}, {**base, "temperature": 0}]

@@ -57,6 +57,7 @@ def test_what_cannot_be_corrected_is_skipped_with_its_reason(
         ({**PLAIN, "frequency_penalty": -1.0}, "off_policy: frequency_penalty"),
         ({**PLAIN, "repetition_penalty": 1.1}, "off_policy: repetition_penalty"),
         ({**PLAIN, "temperature": 4}, "off_policy: temperature"),
+        ({**PLAIN, "temperature": None}, "off_policy: temperature unknown"),
         (PLAIN, None),  # tempered, truncated: trained at its temperature
         (None, None),  # a turn from before sampling was recorded: trained as before
         ({**PLAIN, "temperature": 0}, None),  # greedy
@@ -64,7 +65,7 @@ def test_what_cannot_be_corrected_is_skipped_with_its_reason(
     ids = [with_sampling(db, add_sample(), sampling) for sampling, _ in cases]
     claim, skipped = claim_batch(db, cfg(), LIMITS, 0)
     assert claim is not None
-    assert skipped == {"off_policy": 5}
+    assert skipped == {"off_policy": 6}
     trained = [i for i, (_, why) in zip(ids, cases, strict=True) if why is None]
     assert claim.batch.sample_ids == trained
     assert claim.batch.temperature is not None
