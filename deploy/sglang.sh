@@ -49,10 +49,18 @@ reasoning=${REASONING_PARSER:-$reasoning}
 parser_args=()
 [[ -n "$tool" ]] && parser_args+=(--tool-call-parser "$tool")
 [[ -n "$reasoning" ]] && parser_args+=(--reasoning-parser "$reasoning")
+# The model's sampling defaults (generation_config.json) as --preferred-sampling-params:
+# SGLang reports them in /model_info, where the proxy reads them, so it can send every
+# sampling parameter explicitly and store the distribution each reply was drawn from
+# (proxy/sampling.py). Without them the proxy serves the neutral values (temperature 1).
+preferred=$(python -c 'import json,sys; c=json.load(open(sys.argv[1]+"/generation_config.json")); p={k:c[k] for k in ("temperature","top_p","top_k","min_p") if isinstance(c.get(k),(int,float))}; print(json.dumps(p) if p else "")' "$MODEL" 2>/dev/null || true)
+sampling_args=()
+[[ -n "$preferred" ]] && sampling_args+=(--preferred-sampling-params "$preferred")
 exec python -m sglang.launch_server \
     --model-path "$MODEL" \
     --host "$HOST" --port "$PORT" \
     --weight-version 0 \
     "${parser_args[@]}" \
+    "${sampling_args[@]}" \
     "${key_args[@]}" \
     "$@"

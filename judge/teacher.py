@@ -12,6 +12,13 @@
    position is always null — position k is scored by the logits at k-1 — so starting one
    token early is what makes the first response token scored, not len(prompt).)
 
+The teacher's logprobs are at temperature 1, whatever temperature the turn was sampled at:
+the engine scores a prompt without sampling, and SGLang's input logprobs are untempered (it
+tempers them only when patched). That is also what distillation wants: its fixed point is
+the student's logits equal to the teacher's, independent of the temperature the model is
+served at. The trainer compares them with the student's logprobs at T = 1 (docs/trainer.md,
+"What was sampled is what is trained"), never with a tempered rollout logprob.
+
 The teacher is the live policy engine by default (self-distillation) or a separate engine.
 Too long for the model's context → no logprobs, with the reason (not an error).
 """

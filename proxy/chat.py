@@ -49,6 +49,7 @@ from proxy.limits import DEFAULT_COMPLETION_ESTIMATE, Lease, estimate_tokens, us
 from proxy.openai_types import ChatCompletionRequest, parse_chat_request, parse_outcome_header
 from proxy.prompt_size import PromptText, prompt_text, refusal, too_long
 from proxy.records import TurnRecord
+from proxy.sampling import applied_sampling
 from proxy.sessions import MAX_SESSION_ID, explicit_session_id
 from proxy.sse import ChatRenderer, Last, Renderer, StreamCollector, relay
 from proxy.upstream import EngineReply, adapter_missing, client_view, engine_body, parse_reply
@@ -288,6 +289,7 @@ class ChatEndpoint:
             require_scope(principal, VERIFIER, "set a session outcome (X-Session-Outcome)")
         if not body.get("model"):
             body["model"] = settings.served_model_name or "default"
+        sampling = applied_sampling(body, state.upstream.sampling_defaults)
         # The prompt's size before the engine sees it (proxy/prompt_size.py): its bytes
         # alone may show that it cannot fit, else its tokens, when it might not.
         prompt, requested = prompt_text(body), chat.requested_tokens
@@ -304,10 +306,11 @@ class ChatEndpoint:
             prompt_bytes = prompt.nbytes if not context else min(prompt.nbytes, 4 * context)
             estimate = estimate_tokens(prompt_bytes, requested)
         lease = state.authenticator.limits.admit(principal, estimate)
-        turn = ChatTurn(principal, body, chat, lease, began, {}, shape)
+        turn = ChatTurn(principal, body, chat, lease, began, {}, shape, sampling=sampling)
         turn.record = None if principal.log_opt_out else new_record(
             principal, body, kind, session_ext, headers, outcome, uid=turn.uid, extra=extra)
         if turn.record is not None:
+            turn.record.sampling = sampling
             turn.out["X-Clawrl-Turn-Id"] = turn.record.uid
             if session_ext is not None:
                 turn.out["X-Clawrl-Session-Id"] = str(
@@ -384,8 +387,8 @@ class ChatEndpoint:
         adapter, stream = turn.principal.adapter, bool(turn.chat.stream)
         try:
             try:
-                return await until_disconnect(
-                    receive, call(engine_body(turn.body, stream=stream, adapter=adapter)))
+                return await until_disconnect(receive, call(engine_body(
+                    turn.body, stream=stream, adapter=adapter, sampling=turn.sampling)))
             except BadRequest as exc:
                 if adapter is None or not adapter_missing(exc, adapter):
                     raise
@@ -394,7 +397,7 @@ class ChatEndpoint:
                 if turn.record is not None:
                     turn.record.adapter = turn.record.adapter_version = None
                 return await until_disconnect(
-                    receive, call(engine_body(turn.body, stream=stream)))
+                    receive, call(engine_body(turn.body, stream=stream, sampling=turn.sampling)))
         except ClientGone:
             self._log(turn, "client_disconnected", "The client left before the reply was ready.")
             raise
@@ -453,6 +456,8 @@ class ChatTurn:
     shape: ReplyShape
     uid: str = field(default_factory=lambda: str(uuid.uuid4()))
     record: TurnRecord | None = None
+    # The distribution the engine samples with, every parameter explicit (proxy/sampling.py).
+    sampling: dict[str, Any] | None = None
 
 
 def new_record(principal: Principal, body: dict[str, Any], kind: str, session_ext: str | None,

@@ -8,6 +8,12 @@ overrides that would make the stored conversation differ from what the model saw
 that make generation unbounded (`ignore_eos`, `min_tokens`). Every parsed JSON value
 (the body, and a tool call's `arguments` string) is depth-limited (`check_depth`), and
 `max_tokens` is capped at the model's context length (proxy/chat.py).
+
+Sampling parameters are bounded as the OpenAI API bounds them (`temperature` [0, 2], `top_p`
+(0, 1], penalties [-2, 2], `logit_bias` values [-100, 100] on at most 300 token ids) plus
+SGLang's `top_k` (-1 or >= 1): a reply drawn from a distribution far from the model's is
+neither useful to the user nor trainable. What the engine applied is stored with the turn
+(proxy/sampling.py), and the trainer skips what it cannot correct for.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from __future__ import annotations
 import itertools
 import re
 import uuid
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import orjson
 from pydantic import (
@@ -38,6 +44,13 @@ MAX_STOP_CHARS = 512
 # The request's parameters (everything but messages and tools), serialised, at most.
 MAX_PARAMS_BYTES = 64 * 1024
 _INT64 = 2**63 - 1
+MAX_LOGIT_BIAS = 300
+# Sampling bounds, shared with the Responses API (proxy/responses.py).
+Temperature = Annotated[float, Field(ge=0, le=2, allow_inf_nan=False)]
+TopP = Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)]
+Penalty = Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)]
+_TokenId = Annotated[str, Field(pattern=r"^[0-9]{1,10}$")]
+_Bias = Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]
 
 # Fields an OpenAI client may send back inside an assistant message that mean nothing to
 # the engine: dropped (when empty) rather than refused, so resending a reply works.
@@ -154,17 +167,24 @@ class ChatCompletionRequest(_Strict):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     max_tokens: int | None = Field(default=None, ge=1, le=_INT64)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=_INT64)
-    temperature: float | None = Field(default=None, ge=0, le=100)
-    top_p: float | None = Field(default=None, ge=0, le=1)
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
     top_k: int | None = Field(default=None, ge=-1, le=1_000_000)
-    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
-    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
-    logit_bias: dict[str, float] | None = Field(default=None, max_length=300)
+    frequency_penalty: Penalty | None = None
+    presence_penalty: Penalty | None = None
+    logit_bias: dict[_TokenId, _Bias] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
     response_format: dict[str, Any] | None = None
     reasoning_effort: Literal["low", "medium", "high"] | None = None
     stop: str | list[str] | None = None
     seed: int | None = Field(default=None, ge=-_INT64 - 1, le=_INT64)
     user: str | None = Field(default=None, max_length=256)
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k_not_zero(cls, top_k: int | None) -> int | None:
+        if top_k == 0:
+            raise ValueError("top_k must be -1 (no limit) or at least 1")
+        return top_k
 
     @field_validator("stop")
     @classmethod

@@ -53,6 +53,9 @@ class TurnRecord:
     # The user's LoRA adapter that served the turn (name and version); None: the base model.
     adapter: str | None = None
     adapter_version: int | None = None
+    # The sampling distribution the reply was drawn from (proxy/sampling.py); None in
+    # journal lines written before it was recorded.
+    sampling: dict[str, Any] | None = None
     finish_reason: str | None = None
     status: str = "ok"  # 'ok', 'client_disconnected', 'engine_error'
     error: str | None = None
@@ -84,6 +87,7 @@ class TurnRecord:
             "response_ids": self.response_ids, "response_logprobs": self.response_logprobs,
             "weight_version": self.weight_version, "finish_reason": self.finish_reason,
             "adapter": self.adapter, "adapter_version": self.adapter_version,
+            "sampling": self.sampling,
             "status": self.status, "error": self.error, "latency_ms": self.latency_ms,
             "created_at": dt.datetime.fromisoformat(self.created_at),
         }

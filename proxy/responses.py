@@ -49,6 +49,8 @@ from proxy.chat import ChatEndpoint, ChatTurn
 from proxy.openai_types import (
     ChatCompletionRequest,
     FunctionDef,
+    Temperature,
+    TopP,
     describe_error,
     load_body,
     validate_chat_body,
@@ -111,8 +113,8 @@ class ResponsesRequest(_Strict):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     max_output_tokens: int | None = Field(default=None, ge=1, le=_INT64)
-    temperature: float | None = Field(default=None, ge=0, le=100)
-    top_p: float | None = Field(default=None, ge=0, le=1)
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
     stream: bool | None = None
     stream_options: ResponsesStreamOptions | None = None
     store: bool | None = None

@@ -26,6 +26,7 @@ import orjson
 from clawrl.base.errors import BadRequest, ClawrlError, UpstreamError, UpstreamTimeout
 from clawrl.base.settings import EngineSettings
 from proxy.engine_http import EnginePool, EngineResponse
+from proxy.sampling import engine_fields, parse_defaults
 
 CHAT_PATH = "/v1/chat/completions"
 _JSON = {"Content-Type": "application/json"}
@@ -47,15 +48,19 @@ def create_client(settings: EngineSettings,
                              timeout=timeout, transport=transport)
 
 
-def engine_body(body: dict[str, Any], *, stream: bool,
-                adapter: str | None = None) -> dict[str, Any]:
-    """The client's body with the fields that return exact token ids and logprobs, and the
-    user's LoRA adapter (`lora_path`, SGLang's field) when they have one.
+def engine_body(body: dict[str, Any], *, stream: bool, adapter: str | None = None,
+                sampling: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The client's body with the fields that return exact token ids and logprobs, the
+    user's LoRA adapter (`lora_path`, SGLang's field) when they have one, and every sampling
+    parameter explicit (`sampling`: proxy/sampling.py `applied_sampling`), so the engine's
+    own defaults never change the distribution the turn records.
 
     `model: "base:adapter"` picks an adapter on SGLang (and `clawrl engine`), so a client's
     model name keeps only what comes before a ':' — the proxy alone chooses adapters, from
     the API key's user, and nobody can name another user's."""
     out = dict(body)
+    if sampling is not None:
+        out.update(engine_fields(sampling))
     model = out.get("model")
     if isinstance(model, str) and ":" in model:
         out["model"] = model.split(":", 1)[0] or "default"
@@ -202,6 +207,9 @@ class Upstream:
         # How many requests the engine runs at once, when its /model_info says
         # (`max_running_requests`); the default in-flight limit per key follows it.
         self.max_running_requests: int | None = None
+        # The engine's sampling defaults (proxy/sampling.py), from /model_info; None until
+        # the poll first reads it (a chat never waits for it: see proxy/sampling.py).
+        self.sampling_defaults: dict[str, float] | None = None
 
     async def aclose(self) -> None:
         if self.pool is not None:
@@ -279,6 +287,7 @@ class Upstream:
             raise error_for_status(response.status_code, response.content)
         info: dict[str, Any] = response.json()
         self.weight_version = _version(info.get("weight_version"))
+        self.sampling_defaults = parse_defaults(info.get("preferred_sampling_params"))
         context = info.get("context_length") or info.get("max_model_len")
         if isinstance(context, int) and context > 0:
             self.context_length = context

@@ -21,6 +21,12 @@ The objective (docs/trainer.md), per response token t of sample b:
     kl_t    = exp(ref_t − new_t) − (ref_t − new_t) − 1                  (k3, ≥ 0, unbiased for KL)
     loss    = Σ_t mask · (pg_t + β · kl_t − c · H_t) / num_tokens
 
+Every policy term is at the temperature T_b the sample was drawn at (`temper`, before
+`gather_logprobs` / `entropy_from_logits`): logp_new, ref and H are of `log_softmax(logits / T_b)`,
+as the engine's rollout logprobs are (trainer/offpolicy.py). The distillation term compares
+the teacher's logprob, scored by the engine at T = 1, with the student's at T = 1: the rollout
+logprob for a T = 1 sample, the current policy's own (detached) for a tempered one.
+
 `num_tokens` is the number of masked tokens in the whole *batch*, passed in so that the sum
 of micro-batch losses under gradient accumulation equals the token mean of the full batch.
 """
@@ -34,6 +40,14 @@ import torch
 from torch import Tensor
 
 METHODS = ("rl", "opd", "combine")
+
+
+def temper(logits: Tensor, temperature: Tensor | None) -> Tensor:
+    """`[B, L, V]` logits divided by each sample's temperature `[B]` (None: unchanged): the
+    logits of the distribution the sample was drawn from."""
+    if temperature is None:
+        return logits
+    return logits / temperature.to(logits.device, torch.float32).view(-1, 1, 1)
 
 
 def gather_logprobs(logits: Tensor, input_ids: Tensor) -> Tensor:

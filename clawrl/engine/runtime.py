@@ -15,6 +15,7 @@ request resolves its adapter once it holds the reader side and keeps it until it
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 import uuid
@@ -365,7 +366,11 @@ class Engine:
             "tokenizer_path": self.model_path,
             "served_model_name": self.served_model_name,
             "is_generation": True,
-            "preferred_sampling_params": None,
+            # SGLang's field (a JSON string, or None): here the generation_config defaults a
+            # chat request that leaves them unset is sampled with, so a client (the proxy)
+            # can send them explicitly and know the distribution each reply came from.
+            "preferred_sampling_params": (json.dumps(self.generation_defaults)
+                                          if self.generation_defaults else None),
             "weight_version": self.weight_version,
             "load_format": "auto",
             "has_image_understanding": False,

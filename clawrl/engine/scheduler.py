@@ -12,8 +12,12 @@ out by `mask[b]` (`[B, T]`, 1 = real). Position ids are per row (`n_cached`), so
 same positions as an unpadded forward and logits match a batch-1 forward to float rounding.
 Prefill is always batch 1 (no padded queries, so no fully-masked attention rows).
 
-Logprobs are the model's raw log-softmax (temperature 1, before top-p/top-k) of the sampled
-token: the trainer's first-step importance ratio is then exactly 1.
+Logprobs of sampled tokens are those of the distribution they were sampled from, before
+truncation: `log_softmax(logits / T)` at the request's temperature T (top-p/top-k not
+applied), as SGLang returns by default; a greedy request (T ~ 0, or top_k 1) gets the raw
+`log_softmax(logits)` (T = 1), as SGLang's greedy path does. The trainer recomputes them at the
+same T (`behaviour_temperature`), so its first-step importance ratio is exactly 1. Prompt
+(input) logprobs are always at T = 1: scoring samples nothing.
 
 LoRA: each sequence may carry an `Adapter` (clawrl/engine/lora.py); before every forward the
 thread writes the adapter of each batch row into `lora.rows`, and the hooks on the target
@@ -52,6 +56,7 @@ from clawrl.engine.prefix_cache import PrefixCache
 log = logging.getLogger("clawrl.engine")
 
 Finish = dict[str, Any]  # SGLang finish_reason: {"type": "stop"|"length"|"abort", ...}
+GREEDY_TEMPERATURE = 1e-5  # below it a request is greedy (SGLang's _SAMPLING_EPS)
 
 
 @dataclass
@@ -307,7 +312,9 @@ class Scheduler:
                 seq.weight_spans = [{"version": self.weight_version, "start": 0, "end": 0}]
                 self._finish(seq, {"type": "length", "length": 0})
                 return
-            finish = self._append(seq, logits[-1], F.log_softmax(logits[-1], dim=-1))
+            last = logits[-1]
+            finish = self._append(seq, last,
+                                  F.log_softmax(last / behaviour_temperature(seq.params), dim=-1))
             if finish is not None:
                 self._finish(seq, finish)
                 return
@@ -357,7 +364,8 @@ class Scheduler:
         self._cache = [(k, v) for k, v, *_ in out.cache]
         self._mask = mask
         logits = out.logits[:, -1].float()  # [B, V]
-        logp = F.log_softmax(logits, dim=-1)
+        temperature = torch.tensor([behaviour_temperature(s.params) for s in seqs])
+        logp = F.log_softmax(logits / temperature[:, None], dim=-1)
         finished: dict[int, Finish] = {}
         for row, seq in enumerate(seqs):
             seq.n_cached += 1
@@ -388,7 +396,7 @@ class Scheduler:
             return False
         seq = self._running[0]
         p = seq.params
-        if not (p.temperature < 1e-5 or p.top_k == 1) or seq.adapter is not None:
+        if not is_greedy(p) or seq.adapter is not None:
             return False
         room = min(p.max_new_tokens - len(seq.output_ids), self.max_len - seq.n_cached - 1) - 1
         draft = self.drafts.draft(seq.input_ids[-self.drafts.max_n:] + seq.output_ids, room)
@@ -403,7 +411,7 @@ class Scheduler:
                          position_ids=positions, cache=DynamicCache(ddp_cache_data=self._cache),
                          use_cache=True)
         logits = out.logits[0].float()  # [len(tokens), V]
-        logp = F.log_softmax(logits, dim=-1)
+        logp = F.log_softmax(logits, dim=-1)  # greedy: T = 1 (`behaviour_temperature`)
         finish: Finish | None = None
         kept = 0
         for i in range(len(tokens)):
@@ -451,7 +459,8 @@ class Scheduler:
         self._running = [self._running[i] for i in rows]
 
     def _append(self, seq: Sequence, logits: torch.Tensor, logp: torch.Tensor) -> Finish | None:
-        """Sample from `logits` [V]; record the token with its raw logprob `logp` [V].
+        """Sample from `logits` [V]; record the token with its logprob under the sampling
+        distribution, `logp` [V] (`log_softmax(logits / behaviour_temperature)`).
 
         Returns how the sequence finished, if it did; the caller finishes it (after taking it
         out of the running batch). Otherwise the sequence's reader is told of the new token.
@@ -515,9 +524,20 @@ def _pairs(values: torch.Tensor, indices: torch.Tensor) -> list[list[tuple[float
                                                           strict=True)]
 
 
+def is_greedy(p: SamplingParams) -> bool:
+    """Whether the request takes the argmax (temperature ~0, or top_k 1) instead of sampling."""
+    return p.temperature < GREEDY_TEMPERATURE or p.top_k == 1
+
+
+def behaviour_temperature(p: SamplingParams) -> float:
+    """The temperature the returned logprobs are computed at: the request's, or 1 for a
+    greedy request (whose argmax has no distribution of its own)."""
+    return 1.0 if is_greedy(p) else float(p.temperature)
+
+
 def _sample(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator) -> int:
     """Greedy at temperature ~0; otherwise temperature, top-k, top-p (nucleus) sampling."""
-    if p.temperature < 1e-5 or p.top_k == 1:
+    if is_greedy(p):
         return int(logits.argmax())
     scaled = logits / p.temperature
     if 0 < p.top_k < scaled.shape[-1]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from clawrl.engine.chat import parse_tool_calls
+from clawrl.engine.runtime import Engine
 from clawrl.world import model as tinyworld
 
 TOOLS = [{"type": "function", "function": {
@@ -59,11 +61,12 @@ def tool_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactor
     return out
 
 
-def reference_logprobs(model: Any, ids: list[int]) -> list[float]:
-    """logprob of ids[i] given ids[:i], for i = 1 .. len(ids)-1 (plain batch-1 forward)."""
+def reference_logprobs(model: Any, ids: list[int], temperature: float = 1.0) -> list[float]:
+    """logprob of ids[i] given ids[:i], for i = 1 .. len(ids)-1 (plain batch-1 forward), under
+    `log_softmax(logits / temperature)`."""
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([ids])).logits[0].float()
-    logp = torch.log_softmax(logits[:-1], dim=-1)
+    logp = torch.log_softmax(logits[:-1] / temperature, dim=-1)
     return logp.gather(1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
 
 
@@ -140,6 +143,58 @@ async def test_logprobs_equal_a_plain_forward_under_concurrent_batching(
         for entry in choice["logprobs"]["content"]:
             assert len(entry["top_logprobs"]) == 2
             assert entry["top_logprobs"][0]["logprob"] >= entry["logprob"] - 1e-6
+
+
+async def test_logprobs_are_those_of_the_tempered_distribution(
+        engine_url: str, hf_model: Any) -> None:
+    """Sampled at T, a token's logprob is log_softmax(logits / T) of it (top_p does not
+    renormalise it), in one batch with rows at other temperatures; greedy rows get T = 1.
+    The same on `/generate`."""
+    temperatures = [0.5, 1.7, 0.0, 0.5]
+
+    async def one(client: httpx.AsyncClient, i: int, t: float) -> dict[str, Any]:
+        body = {"model": "tiny", "messages": [{"role": "user", "content": f"Hello {i}"}],
+                "max_tokens": 10, "seed": i, "temperature": t, "top_p": 0.9,
+                "logprobs": True, "top_logprobs": 1, "return_token_ids": True,
+                "ignore_eos": True}
+        return (await client.post("/v1/chat/completions", json=body)).json()
+
+    async with httpx.AsyncClient(base_url=engine_url, timeout=120) as client:
+        answers = await asyncio.gather(*(one(client, i, t)
+                                         for i, t in enumerate(temperatures)))
+        generated = (await client.post("/generate", json={
+            "input_ids": [1, 2, 3, 4], "return_logprob": True, "sampling_params": {
+                "max_new_tokens": 8, "temperature": 0.5, "ignore_eos": True,
+                "sampling_seed": 3}})).json()
+    for t, answer in zip(temperatures, answers, strict=True):
+        choice = answer["choices"][0]
+        prompt, response = choice["prompt_token_ids"], choice["response_token_ids"]
+        at = t if t > 0 else 1.0
+        expected = reference_logprobs(hf_model, prompt + response, at)[len(prompt) - 1:]
+        got = [entry["logprob"] for entry in choice["logprobs"]["content"]]
+        assert got == pytest.approx(expected, abs=1e-4)
+        if at != 1.0:  # not the untempered distribution
+            untempered = reference_logprobs(hf_model, prompt + response)[len(prompt) - 1:]
+            assert max(abs(a - b) for a, b in zip(got, untempered, strict=True)) > 1e-2
+        top = [entry["top_logprobs"][0]["logprob"] for entry in choice["logprobs"]["content"]]
+        assert all(x >= g - 1e-6 for x, g in zip(top, got, strict=True))
+    out = generated["output_ids"]
+    got = [e[0] for e in generated["meta_info"]["output_token_logprobs"]]
+    assert got == pytest.approx(reference_logprobs(hf_model, [1, 2, 3, 4, *out], 0.5)[3:],
+                                abs=1e-4)
+
+
+def test_model_info_names_the_sampling_defaults(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """`preferred_sampling_params` (SGLang's field, a JSON string) carries the generation_config
+    defaults a chat request that leaves them unset is sampled with."""
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model_dir)
+    path = model_dir / "generation_config.json"
+    config = json.loads(path.read_text())
+    path.write_text(json.dumps({**config, "temperature": 0.2, "top_p": 0.9, "top_k": 40}))
+    info = Engine(str(model_dir)).model_info()
+    assert json.loads(info["preferred_sampling_params"]) == {"temperature": 0.2, "top_p": 0.9,
+                                                             "top_k": 40}
 
 
 async def test_generate_scores_a_response_with_max_new_tokens_zero(

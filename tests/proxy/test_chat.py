@@ -249,7 +249,8 @@ async def test_engine_rejection_passes_its_message(proxy_factory: ProxyFactory, 
         for stream in (False, True):
             with pytest.raises(openai.BadRequestError) as info:
                 await client.chat.completions.create(  # type: ignore[call-overload]
-                    model="tiny", messages=MESSAGES, stream=stream, extra_body={"top_k": 0})
-            assert "top_k" in info.value.message
+                    model="tiny", messages=MESSAGES, stream=stream, presence_penalty=0.5)
+            assert "presence_penalty" in info.value.message
+            assert info.value.code == "engine_rejected"
     await proxy.settle()
     assert query(db_url, "SELECT count(*) FROM turns") == [(0,)]

@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+import torch
 from torch import Tensor
 
 from trainer.config import TrainerSettings
@@ -101,16 +102,22 @@ def micro_batch_loss(
     num_tokens: int,
     logp_ref: Tensor | None = None,
     entropy: Tensor | None = None,
+    logp_plain: Tensor | None = None,
 ) -> LossTerms:
     """The loss of one micro batch, scaled so micro losses sum to the batch token mean.
 
     logp_new / logp_ref / entropy: `[b, T]` on the micro batch's target grid (same device as
-    `micro`'s tensors). num_tokens: signal tokens in the whole batch (see `signal_mask`).
+    `micro`'s tensors), each at its sample's temperature (`trainer.loss.temper`). num_tokens:
+    signal tokens in the whole batch (see `signal_mask`). logp_plain: the current policy's
+    logprobs at T = 1, needed when a tempered sample carries teacher logprobs (the teacher
+    scores at T = 1; `student_logprobs`).
     """
     advantages, has_signal = compute_advantages(
         method=cfg.method, w_rl=cfg.w_rl, w_opd=cfg.w_opd, reward=micro.reward,
         has_reward=micro.has_reward, teacher_logp=micro.teacher_logp,
-        has_teacher=micro.has_teacher, rollout_logp=micro.rollout_logp,
+        has_teacher=micro.has_teacher,
+        rollout_logp=(student_logprobs(micro, logp_plain) if cfg.method in ("opd", "combine")
+                      else micro.rollout_logp),
         outcome=micro.outcome, has_outcome=micro.has_outcome, w_outcome=cfg.outcome_weight,
         baseline=micro.baseline)
     mask = micro.loss_mask * has_signal.unsqueeze(-1).to(micro.loss_mask.dtype)
@@ -118,6 +125,36 @@ def micro_batch_loss(
         logp_new=logp_new, rollout_logp=micro.rollout_logp, advantages=advantages, mask=mask,
         num_tokens=num_tokens, eps_low=cfg.eps_low, eps_high=cfg.eps_high, logp_ref=logp_ref,
         kl_coef=cfg.kl_coef, entropy=entropy, entropy_coef=cfg.entropy_coef)
+
+
+def tempered(batch: Batch) -> Tensor | None:
+    """`[B]` bool: the samples drawn at a temperature other than 1 (None: none)."""
+    if batch.temperature is None:
+        return None
+    mask = batch.temperature != 1.0
+    return mask if bool(mask.any()) else None
+
+
+def needs_plain_logprobs(cfg: TrainerSettings, batch: Batch) -> bool:
+    """Whether the distillation term needs the policy's T = 1 logprobs for this batch."""
+    mask = tempered(batch)
+    return (mask is not None and cfg.method in ("opd", "combine")
+            and bool((mask & batch.has_teacher.bool().to(mask.device)).any()))
+
+
+def student_logprobs(batch: Batch, logp_plain: Tensor | None) -> Tensor:
+    """The student's logprobs `[B, T]` that the teacher's (scored at T = 1) are compared with:
+    the rollout logprobs of a sample drawn at T = 1 (the behaviour policy's own), and for a
+    tempered one — whose rollout logprobs are at its T — the current policy's at T = 1
+    (`logp_plain`, detached)."""
+    mask = tempered(batch)
+    if mask is None:
+        return batch.rollout_logp
+    if logp_plain is None:
+        if bool((mask & batch.has_teacher.bool().to(mask.device)).any()):
+            raise ValueError("tempered samples with teacher logprobs need logp_plain")
+        return batch.rollout_logp
+    return torch.where(mask.unsqueeze(-1), logp_plain.detach(), batch.rollout_logp)
 
 
 BACKENDS = {

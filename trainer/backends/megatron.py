@@ -38,7 +38,13 @@ import torch.distributed as dist
 from torch import Tensor
 
 from trainer.backends import megatron_compat as compat
-from trainer.backends.base import BackendError, StepStats, micro_batch_loss, signal_mask
+from trainer.backends.base import (
+    BackendError,
+    StepStats,
+    micro_batch_loss,
+    needs_plain_logprobs,
+    signal_mask,
+)
 from trainer.backends.megatron_batches import replica_micro_batches, token_logprobs
 from trainer.backends.megatron_checkpoint import (
     HFWeights,
@@ -56,7 +62,7 @@ from trainer.backends.megatron_mapping import (
 )
 from trainer.config import TrainerSettings
 from trainer.data import Batch, ModelLimits
-from trainer.loss import entropy_from_logits
+from trainer.loss import entropy_from_logits, temper
 from trainer.ptx import PtxExample
 
 STATS = ("loss", "pg", "kl", "ent", "ratio", "clip", "tokens")
@@ -293,7 +299,7 @@ class MegatronBackend:
 
     @staticmethod
     def _logprob_loss(micro: Batch, logits: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
-        logp = token_logprobs(logits, micro.input_ids).detach()
+        logp = token_logprobs(temper(logits, micro.temperature), micro.input_ids).detach()
         return logp.new_zeros(()), {"logp": logp}
 
     @torch.no_grad()
@@ -337,8 +343,9 @@ class MegatronBackend:
 
     # -- the step ----------------------------------------------------------------------------
     def _train_loss(
-        self, micro: Batch, logp_ref: Tensor | None, logits: Tensor
+        self, micro: Batch, logp_ref: Tensor | None, raw: Tensor
     ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+        logits = temper(raw, micro.temperature)  # each sample's behaviour distribution
         logp_new = token_logprobs(logits, micro.input_ids)
         entropy = None
         if self.cfg.entropy_coef > 0:
@@ -346,8 +353,12 @@ class MegatronBackend:
 
             full = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
             entropy = entropy_from_logits(full)
+        logp_plain = None
+        if needs_plain_logprobs(self.cfg, micro):
+            with torch.no_grad():
+                logp_plain = token_logprobs(raw.detach(), micro.input_ids)
         # num_tokens=1: the token *sum*; megatron divides by the global count (module doc).
-        terms = micro_batch_loss(self.cfg, micro, logp_new, 1, logp_ref, entropy)
+        terms = micro_batch_loss(self.cfg, micro, logp_new, 1, logp_ref, entropy, logp_plain)
         tokens = int(signal_mask(self.cfg, micro).sum())
         stats = torch.tensor(
             [float(terms.loss.detach()), terms.pg_sum, terms.kl_sum, terms.entropy_sum,

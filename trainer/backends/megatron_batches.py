@@ -19,7 +19,8 @@ from trainer.data import Batch
 
 def _take(batch: Batch, lo: int, hi: int) -> Batch:
     """Rows [lo, hi) of a batch (every per-sample field sliced)."""
-    return replace(batch, **{f.name: getattr(batch, f.name)[lo:hi] for f in fields(batch)})
+    return replace(batch, **{f.name: getattr(batch, f.name)[lo:hi] for f in fields(batch)
+                             if getattr(batch, f.name) is not None})
 
 
 def _pad(micro: Batch, rows: int, length: int) -> Batch:
@@ -46,6 +47,9 @@ def _pad(micro: Batch, rows: int, length: int) -> Batch:
         has_outcome=grow(micro.has_outcome, 0),
         baseline=grow(micro.baseline, 0),
         staleness=list(micro.staleness) + [0] * extra_rows,
+        # Padding rows at temperature 1: a zero would turn their (masked) logits into inf.
+        temperature=None if micro.temperature is None else torch.cat(
+            [micro.temperature, torch.ones(extra_rows, dtype=micro.temperature.dtype)]),
     )
 
 

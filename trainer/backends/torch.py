@@ -21,10 +21,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from trainer.backends.base import BackendError, StepStats, micro_batch_loss, signal_mask
+from trainer.backends.base import (
+    BackendError,
+    StepStats,
+    micro_batch_loss,
+    needs_plain_logprobs,
+    signal_mask,
+)
 from trainer.config import TrainerSettings
 from trainer.data import Batch, ModelLimits
-from trainer.loss import entropy_from_logits, gather_logprobs
+from trainer.loss import entropy_from_logits, gather_logprobs, temper
 from trainer.ptx import PtxBatches, PtxDataError, PtxExample, load_examples, pad_examples
 
 OPTIMIZER_FILE = "optimizer.pt"
@@ -123,10 +129,16 @@ class TorchBackend:
 
     # -- forward passes ----------------------------------------------------------------------
     def _logits(self, model: torch.nn.Module, micro: Batch) -> Tensor:
+        """The untempered logits `[b, L, V]` (`temper` them for the sample's distribution)."""
         out = model(input_ids=micro.input_ids, attention_mask=micro.attention_mask,
                     use_cache=False)
         logits: Tensor = out.logits
         return logits
+
+    def _policy_logprobs(self, model: torch.nn.Module, micro: Batch) -> Tensor:
+        """Logprobs `[b, T]` under each sample's behaviour temperature."""
+        return gather_logprobs(temper(self._logits(model, micro), micro.temperature),
+                               micro.input_ids)
 
     @torch.no_grad()
     def _reference_logprobs(self, micro: Batch) -> Tensor | None:
@@ -134,9 +146,9 @@ class TorchBackend:
             return None
         if self.cfg.lora.enabled:
             with self._model().disable_adapter():  # type: ignore[operator]
-                return gather_logprobs(self._logits(self._model(), micro), micro.input_ids)
+                return self._policy_logprobs(self._model(), micro)
         assert self.reference is not None
-        return gather_logprobs(self._logits(self.reference, micro), micro.input_ids)
+        return self._policy_logprobs(self.reference, micro)
 
     @torch.no_grad()
     def compute_logprobs(self, batch: Batch) -> Tensor:
@@ -146,7 +158,7 @@ class TorchBackend:
         parts = []
         for micro in batch.micro_batches(self.cfg.micro_batch_size):
             micro = micro.to(self.device)
-            lp = gather_logprobs(self._logits(model, micro), micro.input_ids)
+            lp = self._policy_logprobs(model, micro)
             pad = batch.loss_mask.shape[1] - lp.shape[1]
             parts.append(torch.nn.functional.pad(lp.cpu(), (0, pad)))
         model.train(was_training)
@@ -209,10 +221,16 @@ class TorchBackend:
         for micro in batch.micro_batches(self.cfg.micro_batch_size):
             micro = micro.to(self.device)
             logp_ref = self._reference_logprobs(micro)
-            logits = self._logits(model, micro)
+            raw = self._logits(model, micro)
+            logits = temper(raw, micro.temperature)
             logp_new = gather_logprobs(logits, micro.input_ids)
             entropy = entropy_from_logits(logits) if self.cfg.entropy_coef > 0 else None
-            terms = micro_batch_loss(self.cfg, micro, logp_new, num_tokens, logp_ref, entropy)
+            logp_plain = None
+            if needs_plain_logprobs(self.cfg, micro):
+                with torch.no_grad():
+                    logp_plain = gather_logprobs(raw.detach(), micro.input_ids)
+            terms = micro_batch_loss(self.cfg, micro, logp_new, num_tokens, logp_ref, entropy,
+                                     logp_plain)
             loss_value = float(terms.loss.detach())
             if not math.isfinite(loss_value):
                 bad = f"non-finite loss ({loss_value})"

@@ -1,0 +1,82 @@
+"""What was sampled is what is trained: a sample's behaviour distribution, from the sampling
+its turn recorded (`turns.sampling`, written by the proxy: proxy/sampling.py).
+
+The rollout logprobs the engine returns (SGLang by default, and the embedded engine) are
+log-probabilities under the tempered distribution `log_softmax(logits / T)` before top-p /
+top-k / min-p truncation; a greedy request (T ~ 0 or top_k 1) gets `log_softmax(logits)`.
+The trainer recomputes the current policy's logprobs at the same temperature
+(`behaviour_temperature`), so the importance ratio compares like with like: exactly 1 on the
+weights that sampled.
+
+What it cannot correct for is never trained (`off_policy_reason`, a `skipped_reason` of
+'off_policy: …', counted under 'off_policy'):
+- `logit_bias`: any bias, however small, lets a client pick the tokens and then reward them;
+- presence / frequency penalties and a repetition penalty other than 1: they depend on the
+  tokens so far and are applied before the logprobs are taken, so the recorded logprobs are
+  of a distribution the policy is not;
+- a temperature that is not a finite number in [0, 2] (the proxy's bound), or unknown (null:
+  the request left it unset before the proxy had read the engine's defaults).
+
+Truncation (top_p, top_k, min_p) is ignored on both sides: the recorded logprob and the
+recomputed one are both of the untruncated tempered distribution, so the ratio stays exactly
+the one of the tempered policies. The sampled token is always inside the kept set; what is
+ignored is the renormalisation over it (the true behaviour probability is p / mass(kept) ≥ p),
+a per-token factor within [1, 1/top_p] for top_p — a bounded, consistent bias, not a license
+to steer the model.
+
+A turn written before sampling was recorded (migration 0011; `sampling` NULL) is trained as
+before: at temperature 1.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from clawrl.engine.scheduler import GREEDY_TEMPERATURE
+
+MAX_TEMPERATURE = 2.0
+
+
+def _number(value: Any, default: float) -> float | None:
+    """A finite number (default when absent), or None for anything else."""
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+def off_policy_reason(sampling: Any) -> str | None:
+    """Why a sample drawn with `sampling` cannot be trained as the policy's own (None: it can)."""
+    if sampling is None:
+        return None
+    if not isinstance(sampling, dict):
+        return "off_policy: unreadable sampling"
+    if sampling.get("logit_bias"):
+        return "off_policy: logit_bias"
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = _number(sampling.get(name), 0.0)
+        if value != 0.0:
+            return f"off_policy: {name}"
+    if _number(sampling.get("repetition_penalty"), 1.0) != 1.0:
+        return "off_policy: repetition_penalty"
+    if "temperature" in sampling and sampling["temperature"] is None:
+        return "off_policy: temperature unknown"
+    temperature = _number(sampling.get("temperature"), 1.0)
+    if temperature is None or not 0.0 <= temperature <= MAX_TEMPERATURE:
+        return "off_policy: temperature"
+    return None
+
+
+def behaviour_temperature(sampling: Any) -> float:
+    """The temperature a sample's rollout logprobs are at, which the trainer recomputes its
+    logprobs at: the recorded temperature, or 1 for a greedy turn (the engines return the
+    untempered logprobs for the argmax) or one with no sampling recorded."""
+    if not isinstance(sampling, dict):
+        return 1.0
+    temperature = _number(sampling.get("temperature"), 1.0)
+    top_k = sampling.get("top_k")
+    if temperature is None or temperature < GREEDY_TEMPERATURE or top_k == 1:
+        return 1.0
+    return temperature
