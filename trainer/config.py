@@ -76,10 +76,12 @@ class TrainerSettings(BaseModel):
     # sampled; `none`, the raw reward (what the shared chat recipe was measured with).
     # `group_mean`: the mean over the batch's samples of the same task (the first user
     # message of their conversation) where there are two or more, else the batch's mean:
-    # for agents that run several episodes per task (GRPO's groups).
+    # for agents that run several episodes per task (GRPO's groups). `user_mean`: the mean
+    # over the batch's samples of the same user where there are two or more, else the
+    # batch's mean: a user who praises every reply teaches nothing by it.
     # Unset: `batch_mean` in personal mode (its adapters kept answer accuracy with it,
     # docs/eval.md "One adapter per user"), else `none`.
-    reward_baseline: Literal["none", "batch_mean", "group_mean"] | None = None
+    reward_baseline: Literal["none", "batch_mean", "group_mean", "user_mean"] | None = None
     # TINYWORLD.md: lr 3e-4 collapses the tiny model; stay at or below 1e-4 with a KL term.
     lr: float = Field(default=2e-5, gt=0, le=1e-3)
     # LoRA adapters' learning rate (`lora.enabled`, personal mode); None: `lr`. An adapter

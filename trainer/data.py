@@ -98,6 +98,7 @@ class SampleRow:
     outcome: float | None = None  # the session's outcome when the batch was claimed
     task: str | None = None  # the first user message of its conversation (`group_mean`)
     temperature: float = 1.0  # the behaviour temperature (trainer/offpolicy.py)
+    user_id: int | None = None  # whose turn it was (`user_mean`)
 
 
 def row_version(row: Any, personal: bool) -> int:
@@ -276,7 +277,7 @@ def _select_ready(limit: int, outcome_wait_s: float = 0.0, user_id: int | None =
         select(SAMPLES.c.id, SAMPLES.c.prompt_ids, SAMPLES.c.response_ids,
                SAMPLES.c.rollout_logprobs, SAMPLES.c.teacher_logprobs, SAMPLES.c.reward,
                SAMPLES.c.weight_version, TURNS.c.adapter_version, USERS.c.train_opt_out,
-               SESSIONS.c.outcome, FIRST_USER_MESSAGE.label("task"), TURNS.c.sampling)
+               SESSIONS.c.outcome, FIRST_USER_MESSAGE.label("task"), SAMPLES.c.user_id, TURNS.c.sampling)
         .join(USERS, USERS.c.id == SAMPLES.c.user_id)
         .join(TURNS, TURNS.c.id == SAMPLES.c.turn_id)
         .outerjoin(SESSIONS, SESSIONS.c.id == TURNS.c.session_id)
@@ -474,16 +475,17 @@ def claim_batch(
                                  list(r.rollout_logprobs),
                                  None if r.teacher_logprobs is None else list(r.teacher_logprobs),
                                  r.reward, row_version(r, cfg.personal), r.outcome, r.task,
-                                 behaviour_temperature(r.sampling))
+                                 behaviour_temperature(r.sampling), r.user_id)
                        for r in rows]
             batch = collate(samples, current_version)
             if cfg.baseline != "none":
                 mixed, on = mix_rewards(method=cfg.method, w_outcome=cfg.outcome_weight,
                                         reward=batch.reward, has_reward=batch.has_reward,
                                         outcome=batch.outcome, has_outcome=batch.has_outcome)
-                batch.baseline = (group_baseline(mixed, on, [s.task for s in samples])
-                                  if cfg.baseline == "group_mean"
-                                  else reward_baseline(mixed, on))
+                groups = ([s.task for s in samples] if cfg.baseline == "group_mean" else
+                          [s.user_id for s in samples] if cfg.baseline == "user_mean" else None)
+                batch.baseline = (reward_baseline(mixed, on) if groups is None
+                                  else group_baseline(mixed, on, groups))
             return Claim(conn, batch, [s.reward for s in samples], skipped,
                          [s.outcome for s in samples]), skipped
         conn.rollback()

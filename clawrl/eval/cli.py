@@ -140,7 +140,8 @@ def parse_args(argv: list[str]) -> EvalConfig:
     p.add_argument("--mini-batches", type=int, default=EvalConfig.mini_batches,
                    help="optimizer steps per version, each on a slice of the batch (the "
                         "trainer's mini_batches)")
-    p.add_argument("--reward-baseline", choices=("none", "batch_mean", "group_mean"),
+    p.add_argument("--reward-baseline", choices=("none", "batch_mean", "group_mean",
+                                                  "user_mean"),
                    default=None,
                    help="subtract the batch's mean reward from each sample's, or (group_mean) "
                         "that of the samples of its task (the trainer's reward_baseline; "

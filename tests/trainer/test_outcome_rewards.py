@@ -315,3 +315,26 @@ def test_claim_batch_groups_samples_by_their_conversations_first_user_message(
     # Ada's three samples: (1 + 1 − 1) / 3; Bo's alone: the batch mean (1 + 1 − 1 + 1) / 4.
     assert claim.batch.baseline.tolist() == pytest.approx([1 / 3, 1 / 3, 1 / 3, 0.5])
     claim.release()
+
+
+def test_the_user_baseline_leaves_a_user_who_praises_everything_with_nothing(
+        db: Engine, add_sample: SampleFactory) -> None:
+    """`user_mean`: each sample against its own user's mean. A user whose every reply was
+    praised (+1, +1, +1) gets advantage 0 on all of them; another user's (+1, −1) keep
+    their contrast around their own mean 0 — a batch mean would have rewarded the praiser."""
+    from clawrl.base.db import User
+
+    with db.begin() as conn:
+        praiser = conn.execute(User.__table__.insert().values(name="praiser")
+                               .returning(User.__table__.c.id)).scalar_one()
+    ids = [add_sample(reward=1, user_id=praiser) for _ in range(3)]
+    ids += [add_sample(reward=1), add_sample(reward=-1)]
+    settings = cfg(method="rl", reward_baseline="user_mean", batch_size=5, user_batch_share=1)
+    claim, _ = claim_batch(db, settings, LIMITS, 0)
+    assert claim is not None and sorted(claim.batch.sample_ids) == sorted(ids)
+    by_id = dict(zip(claim.batch.sample_ids, claim.batch.baseline.tolist(), strict=True))
+    assert [by_id[i] for i in ids] == pytest.approx([1.0, 1.0, 1.0, 0.0, 0.0])
+    advantages = claim.batch.reward.float() - claim.batch.baseline
+    assert [float(advantages[claim.batch.sample_ids.index(i)]) for i in ids] == \
+        pytest.approx([0.0, 0.0, 0.0, 1.0, -1.0])
+    claim.release()
