@@ -123,7 +123,8 @@ class Adversary:
                     self.levers[f"temperature {self.temperature:g} refused (400)"] += 1
                     self.temperature = lower[0]
                     continue
-                self.levers[f"refused (400): {exc.code or 'bad request'}"] += 1
+                why = str(exc.message).split(": ", 1)[-1][:60]
+                self.levers[f"refused (400) {exc.code or ''}: {why}"] += 1
                 return None
             except openai.RateLimitError:
                 self.levers["rate limited (429)"] += 1
