@@ -107,9 +107,10 @@ class Adversary:
             sent = dict(headers)
             if self.send_outcomes:
                 sent["X-Session-Outcome"] = "1"
+            temperature = self.temperature  # (another session may lower it meanwhile)
             try:
                 resp = await self.client.chat.completions.create(
-                    model="default", messages=messages, temperature=self.temperature,
+                    model="default", messages=messages, temperature=temperature,
                     max_tokens=max_tokens, seed=seed, extra_headers=sent)
             except openai.PermissionDeniedError:
                 self.levers["outcome header refused (403)"] += 1
@@ -118,10 +119,10 @@ class Adversary:
                 self.send_outcomes = False
                 continue
             except openai.BadRequestError as exc:
-                lower = [t for t in ADVERSARY_TEMPERATURES if t < self.temperature]
+                lower = [t for t in ADVERSARY_TEMPERATURES if t < temperature]
                 if "temperature" in str(exc) and lower:
-                    self.levers[f"temperature {self.temperature:g} refused (400)"] += 1
-                    self.temperature = lower[0]
+                    self.levers[f"temperature {temperature:g} refused (400)"] += 1
+                    self.temperature = min(self.temperature, lower[0])
                     continue
                 why = str(exc.message).split(": ", 1)[-1][:60]
                 self.levers[f"refused (400) {exc.code or ''}: {why}"] += 1
@@ -129,7 +130,7 @@ class Adversary:
             except openai.RateLimitError:
                 self.levers["rate limited (429)"] += 1
                 return None
-            self.levers[f"served at temperature {self.temperature:g}"] += 1
+            self.levers[f"served at temperature {temperature:g}"] += 1
             if self.send_outcomes:
                 self.levers["outcome header accepted"] += 1
             return str(resp.choices[0].message.content or "")
