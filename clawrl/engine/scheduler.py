@@ -548,6 +548,7 @@ def _sample(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator)
         sorted_probs, order = probs.sort(descending=True)
         # Keep the smallest prefix whose mass reaches top_p (always at least one token).
         drop = sorted_probs.cumsum(0) - sorted_probs >= p.top_p
+        drop[0] = False  # a top_p under float32's smallest (1e-300) compares as 0: keep one
         sorted_probs[drop] = 0.0
         probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
     return int(torch.multinomial(probs, 1, generator=generator))

@@ -207,3 +207,4 @@ def test_openclaw_conversations_are_sessions_judged_and_its_own_calls_are_side(
             up.wait(timeout=120)
         except subprocess.TimeoutExpired:
             up.kill()
+            up.wait()  # reaped: a killed child left unreaped is a ResourceWarning later

@@ -417,3 +417,16 @@ async def test_metrics_count_tokens_requests_and_accepted_drafts(
     accepted = _metric(text, "clawrl_engine_draft_tokens_accepted_total")
     assert proposed > 0 and 0 < accepted <= proposed
     assert _metric(text, "clawrl_engine_draft_accept_rate") == pytest.approx(accepted / proposed)
+
+
+@pytest.mark.parametrize("top_p", [1e-300, 5e-324, 1e-46, 1e-9])
+def test_a_top_p_below_float32s_smallest_still_keeps_the_top_token(top_p: float) -> None:
+    """A top_p too small for float32 compares as 0: the nucleus still holds the most likely
+    token (the fuzzer's 1e-300 once left nothing to sample: a 500)."""
+    from clawrl.engine.scheduler import SamplingParams, _sample
+
+    logits = torch.tensor([0.5, 3.0, -1.0, 2.9])
+    generator = torch.Generator().manual_seed(0)
+    picks = {_sample(logits, SamplingParams(temperature=1.5, top_p=top_p), generator)
+             for _ in range(20)}
+    assert picks == {1}

@@ -233,6 +233,7 @@ def test_up_judges_with_the_judge_model_by_default(base_dir: Path, tmp_path: Pat
         finally:
             if up.poll() is None:
                 up.kill()
+                up.wait()
     assert up.returncode == 0, (tmp_path / "up.log").read_text()[-3000:]
     assert (state / "models" / "judge" / ".merged").is_file()
 

@@ -40,7 +40,7 @@ def start_trainer(tmp_path: Path, db_url: str, engine_url: str, model: Path,
            "CLAWRL_TRAINER__DEVICE": "cpu", "CLAWRL_TRAINER__PUBLISH_BACKOFF_S": "0.05",
            # Every restart publishes again; don't let the samples go stale meanwhile.
            "CLAWRL_TRAINER__MAX_STALENESS": "1000",
-           # One user's 24 samples: no cap per hour (tests/trainer/test_fair_share.py).
+           # One user's 24 samples: no cap per hour (tests/trainer/test_fair_batches.py).
            "CLAWRL_TRAINER__USER_WINDOW_BATCHES": "0"}
     with log.open("ab") as fh:
         return subprocess.Popen([sys.executable, "-m", "trainer.train"], stdout=fh,
