@@ -55,16 +55,19 @@ def turns_locked(db_url: str) -> Iterator[None]:
 
 
 def create_user(db_url: str, name: str, *, train_opt_out: bool = False,
-                log_opt_out: bool = False, scopes: Sequence[str] = ()) -> tuple[int, str]:
+                log_opt_out: bool = False, scopes: Sequence[str] = (),
+                max_concurrent: int | None = None) -> tuple[int, str]:
     """Insert a user and one API key (with `scopes`, e.g. ["verifier"] to set session
-    outcomes); returns (user_id, full key)."""
+    outcomes; `max_concurrent` its requests in flight, None: the proxy's default, 0: no
+    limit); returns (user_id, full key)."""
     key = generate_key()
     with psycopg.connect(libpq(db_url), autocommit=True) as conn:
         user_id = conn.execute(
             "INSERT INTO users (name, train_opt_out, log_opt_out) VALUES (%s, %s, %s) "
             "RETURNING id", (name, train_opt_out, log_opt_out)).fetchone()[0]  # type: ignore[index]
-        conn.execute("INSERT INTO api_keys (user_id, prefix, secret_hash, scopes) "
-                     "VALUES (%s, %s, %s, %s)", (user_id, key.prefix, key.hash, list(scopes)))
+        conn.execute("INSERT INTO api_keys (user_id, prefix, secret_hash, scopes, "
+                     "max_concurrent) VALUES (%s, %s, %s, %s, %s)",
+                     (user_id, key.prefix, key.hash, list(scopes), max_concurrent))
     return user_id, key.secret
 
 

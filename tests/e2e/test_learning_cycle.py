@@ -146,7 +146,8 @@ async def test_streams_across_a_swap_all_complete_and_are_stored(
         engine_factory: Callable[..., str]) -> None:
     torch.set_num_threads(1)
     engine_url = engine_factory(tiny_model_dir)
-    key = create_user(db_url, "ada")[1]
+    # 13 streams from one key, 12 at once: no limit in flight (the default is 8).
+    key = create_user(db_url, "ada", max_concurrent=0)[1]
     # A changed checkpoint v1 to swap in.
     backend = TorchBackend(TrainerSettings(batch_size=2, kl_coef=0.0, lr=1e-3, device="cpu"))
     backend.load(tiny_model_dir)
