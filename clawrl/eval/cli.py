@@ -63,6 +63,7 @@ from clawrl.eval.config import (
     EvalConfig,
     method_recipe,
 )
+from clawrl.eval.everyday import DEFAULT_PREFS as EVERYDAY_DEFAULT_PREFS
 from clawrl.eval.everyday import EVERYDAY_BATCH
 from clawrl.eval.everyday import PREFS as EVERYDAY_PREFS
 from clawrl.eval.report import plot_curve, print_table, print_targets, targets
@@ -193,7 +194,7 @@ def parse_args(argv: list[str]) -> EvalConfig:
             if getattr(args, flag) is not None:
                 extra_env[f"CLAWRL_TRAINER__{name}"] = str(getattr(args, flag))
         args.methods = args.methods or "combine,none"
-        args.prefs = args.prefs or ",".join(EVERYDAY_PREFS)
+        args.prefs = args.prefs or ",".join(EVERYDAY_DEFAULT_PREFS)
         args.rounds = 10 if args.rounds is None else args.rounds
         args.batch_size = args.batch_size or EVERYDAY_BATCH
         args.followups = "people"

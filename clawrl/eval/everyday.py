@@ -13,7 +13,9 @@ apart from everything the project trains or tunes on (clawrl/eval/data/everyday/
 
 A `Person` holds one preference with a programmatic checker (`satisfies`): `brief` (at most
 `BRIEF_MAX_WORDS` words and no list), `lowercase`, `plain` (no emoji, no bulleted or
-numbered list) and `no_question` (the reply does not end by asking the person something).
+numbered list), `no_question` (the reply does not end by asking the person something) and
+`one_paragraph` (no blank line inside the reply); a run asks for all but `no_question` unless
+told (`DEFAULT_PREFS`).
 Like a person, it objects first when a reply does not answer the question (no topic word),
 then when it breaks the preference, and praises or moves on when both hold; every reply thus
 gets a next state. The probe asks held-out questions as side turns and scores the share
@@ -42,7 +44,11 @@ from clawrl.eval.rounds import (
 )
 
 DATA = Path(__file__).with_name("data") / "everyday"
-PREFS = ("brief", "lowercase", "plain", "no_question")
+PREFS = ("brief", "lowercase", "plain", "no_question", "one_paragraph")
+# What a run asks for unless told: SmolLM2-135M never ends a reply with a question (base rate
+# 1.00 on the dev split, docs/results/2026-12-07-everyday-first-try.md), so `no_question`
+# has nothing to learn there.
+DEFAULT_PREFS = ("brief", "lowercase", "plain", "one_paragraph")
 SPLITS = ("train", "dev", "test")
 BRIEF_MAX_WORDS = 30
 EVERYDAY_BATCH = 16  # samples per version (the trainer's default batch for a real model)
@@ -50,6 +56,7 @@ CHAT_MAX_TOKENS = 128
 PROBE_CONCURRENCY = 16
 SIDE = {"X-Turn-Type": "side"}
 DONE = {"X-Session-Done": "true"}
+_BLANK_LINE = re.compile(r"\n[ \t]*\n")
 _LIST_LINE = re.compile(r"^\s*(?:[-*•+]|\d+[.)])\s+\S", re.MULTILINE)
 # Emoji and pictographs (the ranges chat apps render as pictures), dingbats and flags.
 _EMOJI = re.compile("[\U0001F000-\U0001FAFF\U00002600-\U000027BF\U0001F1E6-\U0001F1FF"
@@ -73,6 +80,8 @@ def satisfies(pref: str, text: str) -> bool:
         return bool(stripped) and not _EMOJI.search(stripped) and not has_list(stripped)
     if pref == "no_question":
         return bool(stripped) and not stripped.rstrip("\"')]*_ ").endswith("?")
+    if pref == "one_paragraph":
+        return bool(stripped) and not _BLANK_LINE.search(stripped)
     raise ValueError(f"unknown preference {pref!r}; known: {', '.join(PREFS)}")
 
 

@@ -14,7 +14,7 @@ from openai import AsyncOpenAI
 
 from clawrl.eval import cli
 from clawrl.eval import config as evalconfig
-from clawrl.eval.everyday import PREFS, Person, load, satisfies
+from clawrl.eval.everyday import DEFAULT_PREFS, PREFS, Person, load, satisfies
 
 
 def test_the_data_has_every_split_preference_and_follow_up() -> None:
@@ -38,6 +38,8 @@ def test_the_data_has_every_split_preference_and_follow_up() -> None:
     ("plain", "Boil it for six minutes.", "Boil it 🥚 for six minutes."),
     ("plain", "First this. Then that.", "1. first\n2. then"),
     ("no_question", "Boil it for six minutes.", "Boil it. Would you like more tips?"),
+    ("one_paragraph", "Boil it.\nThen peel it.", "Boil it.\n\nThen peel it."),
+    ("one_paragraph", "Boil it for six minutes.", "Boil it.\n  \nThen peel it."),
 ])
 def test_each_preference_has_a_checker(pref: str, yes: str, no: str) -> None:
     assert satisfies(pref, yes) and not satisfies(pref, no)
@@ -93,7 +95,8 @@ async def test_a_person_objects_to_off_topic_then_to_style_then_praises() -> Non
 
 def test_a_real_model_by_name_is_an_everyday_run() -> None:
     config = cli.parse_args(["--model", "smollm2-135m", "--lr", "1e-5"])
-    assert config.everyday and config.prefs == PREFS and config.rounds == 10
+    assert config.everyday and config.prefs == DEFAULT_PREFS and config.rounds == 10
+    assert set(DEFAULT_PREFS) < set(PREFS) and "no_question" not in DEFAULT_PREFS
     assert config.methods == ("combine", "none") and config.model.name == "smollm2-135m"
     env = evalconfig.stack_env(config, "combine")
     assert "CLAWRL_TRAINER__LR" not in env  # the model's recipe ...
