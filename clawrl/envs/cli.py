@@ -5,7 +5,8 @@
                         [--base-url URL] [--api-key KEY] [--model default] [--max-tokens 128]
                         [--temperature 1.0] [--seed 0] [--json FILE]
 
-The proxy is `--base-url`, else the running `clawrl up`'s (clawrl/base/statefile.py). The key is
+The proxy is `--base-url`, else the running `clawrl up`'s: the one `clawrl users|keys|sql` act on
+(clawrl/base/statefile.py `choose_stack`). The key is
 `--api-key`, else `$CLAWRL_API_KEY`, else a fresh one for the user `env-<NAME>` made in the
 running stack's database (unlimited rate, as `clawrl eval` makes its users'). Prints the
 success rate per task, episodes/s and whether the sandbox has its own network namespace.
@@ -18,9 +19,10 @@ import asyncio
 import json
 import os
 import sys
+from collections.abc import Mapping
 from dataclasses import asdict
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from clawrl.envs.pool import PoolConfig, print_result, run_pool
 from clawrl.envs.protocol import EnvError
@@ -85,10 +87,23 @@ def config_from(args: argparse.Namespace) -> PoolConfig:
                       session_prefix=f"env-{args.name}", options=options)
 
 
-def proxy_and_key(args: argparse.Namespace) -> tuple[str, str]:
-    from clawrl.base.statefile import running_stack
+def chosen_stack(environ: Mapping[str, str], cwd: Path | None = None) -> dict[str, Any] | None:
+    """The running stack whose proxy the episodes go to: the one `clawrl users|keys|sql`
+    would act on (clawrl/base/statefile.py `choose_stack`: `CLAWRL_STATE_DIR`, then this
+    folder's `.clawrl`, then the last started); with `CLAWRL_DATABASE__URL` set, the last
+    started. Says so on stderr when that is not the last started one."""
+    from clawrl.base.statefile import choose_stack, running_stack
 
-    stack = running_stack()
+    choice = choose_stack(environ, cwd)
+    if choice.source == "database_url":
+        return running_stack()
+    if choice.note:
+        print(f"clawrl env: {choice.note}", file=sys.stderr)
+    return choice.record
+
+
+def proxy_and_key(args: argparse.Namespace) -> tuple[str, str]:
+    stack = chosen_stack(os.environ)
     base_url = args.base_url or (f"{stack['proxy_url']}/v1" if stack else "")
     if not base_url:
         raise CliError("no proxy: pass --base-url http://HOST:PORT/v1, or start `clawrl up`")

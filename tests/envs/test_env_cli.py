@@ -75,3 +75,45 @@ def test_bench_env_prints_episodes_per_second() -> None:
     assert "episodes/s" in out.stdout and "the proxy adds" in out.stdout
     assert "4 at a time: 8 steps -> 8 turns in Postgres, 4 sessions, 4 with their outcome" \
         in out.stdout
+
+
+def test_the_proxy_is_the_stack_the_admin_commands_act_on(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Two stacks running: A started last, B in this folder's .clawrl. `clawrl env` sends its
+    episodes to B's proxy (and says it is not the last started), as `clawrl users` acts on
+    B; named by CLAWRL_STATE_DIR, the same; elsewhere, the last started."""
+    import json
+
+    from clawrl.base import statefile
+    from clawrl.envs.cli import chosen_stack
+
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        def record(path: Path, pid: int, state_dir: Path, port: int) -> None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({
+                "pid": pid, "pid_start": statefile._process_start(pid),
+                "state_dir": str(state_dir), "proxy_url": f"http://127.0.0.1:{port}"}))
+
+        a_dir, b_dir = tmp_path / "a" / ".clawrl", tmp_path / "b" / ".clawrl"
+        monkeypatch.setenv("CLAWRL_STATE_FILE", str(tmp_path / "last.json"))
+        record(tmp_path / "last.json", os.getpid(), a_dir, 1111)
+        record(a_dir / statefile.STACK_FILE, os.getpid(), a_dir, 1111)
+        record(b_dir / statefile.STACK_FILE, sleeper.pid, b_dir, 2222)
+        elsewhere = tmp_path / "elsewhere"
+        elsewhere.mkdir()
+        stack = chosen_stack({}, cwd=b_dir.parent)
+        assert stack is not None and stack["proxy_url"].endswith(":2222")
+        assert "not the last started one" in capsys.readouterr().err
+        stack = chosen_stack({"CLAWRL_STATE_DIR": str(b_dir)}, cwd=elsewhere)
+        assert stack is not None and stack["proxy_url"].endswith(":2222")
+        assert "the state dir given" in capsys.readouterr().err
+        stack = chosen_stack({}, cwd=elsewhere)
+        assert stack is not None and stack["proxy_url"].endswith(":1111")
+        assert capsys.readouterr().err == ""
+        # A state dir named with no stack running there: no proxy, never the last started.
+        assert chosen_stack({"CLAWRL_STATE_DIR": str(tmp_path / "idle")}, cwd=elsewhere) is None
+    finally:
+        sleeper.kill()
+        sleeper.wait()
