@@ -54,6 +54,23 @@ def turns_locked(db_url: str) -> Iterator[None]:
         locker.close()
 
 
+async def make_keys(db_url: str, **limits: dict[str, Any]) -> dict[str, str]:
+    """One user and key per keyword, the key with that keyword's limits (`admin.create_key`
+    arguments, e.g. max_concurrent=0); returns name -> full key."""
+    from clawrl.base.db import create_async
+    from proxy import admin
+
+    db = create_async(db_url)
+    try:
+        keys = {}
+        for name, own in limits.items():
+            await admin.create_user(db, name)
+            keys[name] = (await admin.create_key(db, name, **own)).secret
+        return keys
+    finally:
+        await db.dispose()
+
+
 def create_user(db_url: str, name: str, *, train_opt_out: bool = False,
                 log_opt_out: bool = False, scopes: Sequence[str] = (),
                 max_concurrent: int | None = None) -> tuple[int, str]:

@@ -29,12 +29,10 @@ from typing import Any
 
 import httpx
 import pytest
-from proxyharness import ProxyFactory, closed_port_url, create_user
+from proxyharness import ProxyFactory, closed_port_url, create_user, make_keys
 
-from clawrl.base.db import create_async
 from clawrl.base.errors import RateLimited
 from clawrl.bench.procs import BenchProcs
-from proxy import admin
 from proxy.limits import FALLBACK_CONCURRENT, KeyLimits, fair_concurrency
 from proxy.prompt_size import CHUNK_CHARS, PromptSizer, prompt_text
 
@@ -152,18 +150,6 @@ def procs(db_url: str, tmp_path: Path) -> Iterator[BenchProcs]:
            "CLAWRL_PROXY__TOKENIZER_PATH": str(TOKENIZER_DIR)}
     with BenchProcs(db_url, tmp_path, env=env) as running:
         yield running
-
-
-async def make_keys(db_url: str, **limits: dict[str, int]) -> dict[str, str]:
-    db = create_async(db_url)
-    try:
-        keys = {}
-        for name, own in limits.items():
-            await admin.create_user(db, name)
-            keys[name] = (await admin.create_key(db, name, **own)).secret
-        return keys
-    finally:
-        await db.dispose()
 
 
 def engine_requests(procs: BenchProcs) -> int:

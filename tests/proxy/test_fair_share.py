@@ -18,12 +18,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+from proxyharness import make_keys
 
-from clawrl.base.db import create_async
 from clawrl.base.errors import RateLimited
 from clawrl.bench.client import Connection
 from clawrl.bench.procs import BenchProcs
-from proxy import admin
 from proxy.limits import KeyLimits, estimate_tokens, used_tokens
 
 CHAT = "/v1/chat/completions"
@@ -89,18 +88,6 @@ def test_estimates_and_engine_counts() -> None:
 def procs(db_url: str, tmp_path: Path) -> Iterator[BenchProcs]:
     with BenchProcs(db_url, tmp_path) as running:
         yield running
-
-
-async def make_keys(db_url: str, **limits: dict[str, int]) -> dict[str, str]:
-    db = create_async(db_url)
-    try:
-        keys = {}
-        for name, own in limits.items():
-            await admin.create_user(db, name)
-            keys[name] = (await admin.create_key(db, name, **own)).secret
-        return keys
-    finally:
-        await db.dispose()
 
 
 def body(max_tokens: int = 16, stream: bool = False) -> bytes:
