@@ -18,17 +18,12 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from functools import partial
 from typing import Any
 
 from clawrl.envs.pool import PoolConfig, PoolResult, run_pool
 from clawrl.eval.config import EvalConfig
-from clawrl.eval.rounds import (
-    loop_state,
-    serving_version,
-    version_stats,
-    wait_judged,
-    wait_published,
-)
+from clawrl.eval.rounds import serving_version, train_one_version, version_stats
 
 AGENT = "agent-toolcall"
 MAX_STEPS = 4
@@ -56,24 +51,25 @@ async def run_agent_rounds(config: EvalConfig, method: str, proxy_url: str, db_u
     started = time.monotonic()
     try:
         for rnd in range(config.rounds + 1):
-            failed = 0  # training episodes whose request or outcome the proxy refused
+            failed: list[int] = []  # per wave: episodes whose request or outcome was refused
             if rnd > 0 and method != "none":
-                start = (await loop_state(db, method))[2]
-                for wave in range(config.max_chats * -(-config.batch_size // 16)):
-                    failed += sum((await run_pool(_pool(config, rnd, wave), base_url,
-                                                  key)).errors().values())
-                    await wait_judged(db, method, config.round_timeout_s)
-                    _, ready, newest = await loop_state(db, method)
-                    if ready >= config.batch_size or newest > start:
-                        break
-                await wait_published(db, method, engine_url, start, config.round_timeout_s)
+                await train_one_version(config, db, method, engine_url,
+                                        config.max_chats * -(-config.batch_size // 16),
+                                        partial(_train_wave, config, rnd, base_url, key, failed))
             version = await serving_version(engine_url)
             probe = await run_pool(_probe(config), base_url, key)
             row = probe_row(config, method, rnd, version, await version_stats(db, version),
                             probe, time.monotonic() - started)
-            on_round(method, rnd, [{**row, "failed_train_episodes": failed}])
+            on_round(method, rnd, [{**row, "failed_train_episodes": sum(failed)}])
     finally:
         await db.dispose()
+
+
+async def _train_wave(config: EvalConfig, rnd: int, base_url: str, key: str,
+                      failed: list[int], wave: int) -> None:
+    """One wave of training episodes; how many the proxy refused goes to `failed`."""
+    result = await run_pool(_pool(config, rnd, wave), base_url, key)
+    failed.append(sum(result.errors().values()))
 
 
 def _pool(config: EvalConfig, rnd: int, wave: int) -> PoolConfig:

@@ -37,18 +37,18 @@ import time
 import uuid
 from collections import Counter
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from clawrl.eval.config import EvalConfig
 from clawrl.eval.rounds import (
     chat_wave,
-    loop_state,
+    eval_client,
     probe_seeds,
     probe_set,
     serving_version,
+    train_one_version,
     version_stats,
-    wait_judged,
-    wait_published,
 )
 from clawrl.world.town import Style, World, render_reply
 
@@ -173,6 +173,13 @@ async def _adversary_wave(config: EvalConfig, adversary: Adversary, rnd: int,
         for k in range(config.parallel * ADVERSARY_SESSIONS)))
 
 
+async def _both_waves(config: EvalConfig, world: World, users: list[Any],
+                      adversary: Adversary, rnd: int, wave: int) -> None:
+    """The honest users' wave and the adversary's, at once."""
+    await asyncio.gather(chat_wave(config, world, users, rnd, wave),
+                         _adversary_wave(config, adversary, rnd, wave))
+
+
 async def _round_figures(db: Any, honest: list[str], since: float) -> dict[str, Any]:
     """The adversary's share of the samples trained so far, and the honest users' p50 chat
     latency over their main turns since `since` (epoch seconds)."""
@@ -198,11 +205,8 @@ async def run_attack_rounds(config: EvalConfig, method: str, proxy_url: str, db_
                             engine_url: str, on_round: Any) -> None:
     """Create the honest users and the adversary, then chat (both at once) / wait for the
     next version / probe the honest users, round after round."""
-    from openai import AsyncOpenAI
-
     from clawrl.base.db import create_async
     from clawrl.world.simulate import SimUser, phrasings
-    from proxy import admin
 
     says = phrasings(config.followups)
     world = World.build(config.world_seed)
@@ -214,22 +218,14 @@ async def run_attack_rounds(config: EvalConfig, method: str, proxy_url: str, db_
     try:
         for i, pref in enumerate(config.prefs):
             name = f"sim-{i}-{pref}"
-            await admin.ensure_user(db, name)
-            # Unlimited: one simulated user stands for a crowd (as in the plain eval).
-            key = await admin.create_key(db, name, name="clawrl eval", rate_limit_rpm=0,
-                                         max_concurrent=0)
-            client = AsyncOpenAI(base_url=f"{proxy_url}/v1", api_key=key.secret,
-                                 max_retries=2, timeout=600.0)
+            client = await eval_client(db, name, proxy_url)
             clients.append(client)
             users.append(SimUser(name, pref, client, random.Random(f"user-{config.seed}-{i}"),
                                  says=says))
-        await admin.ensure_user(db, ADVERSARY)
         # Defended: an ordinary key with the proxy's defaults. Undefended: what the key
         # could do before (outcomes, unlimited requests at once).
-        adv_key = await admin.create_key(db, ADVERSARY, name="clawrl eval adversary",
-                                         **_adversary_key(method))
-        adv_client = AsyncOpenAI(base_url=f"{proxy_url}/v1", api_key=adv_key.secret,
-                                 max_retries=0, timeout=600.0)
+        adv_client = await eval_client(db, ADVERSARY, proxy_url, max_retries=0,
+                                       **_adversary_key(method))
         clients.append(adv_client)
         adversary = Adversary(adv_client, world)
         honest = [u.name for u in users]
@@ -237,16 +233,10 @@ async def run_attack_rounds(config: EvalConfig, method: str, proxy_url: str, db_
         for rnd in range(config.rounds + 1):
             since = time.time()
             if rnd > 0:
-                start = (await loop_state(db, "combine"))[2]
-                waves = config.max_chats * -(-config.batch_size // 32)
-                for wave in range(waves):
-                    await asyncio.gather(chat_wave(config, world, users, rnd, wave),
-                                         _adversary_wave(config, adversary, rnd, wave))
-                    await wait_judged(db, "combine", config.round_timeout_s)
-                    _, ready, newest = await loop_state(db, "combine")
-                    if ready >= config.batch_size or newest > start:
-                        break
-                await wait_published(db, "combine", engine_url, start, config.round_timeout_s)
+                await train_one_version(config, db, "combine", engine_url,
+                                        config.max_chats * -(-config.batch_size // 32),
+                                        partial(_both_waves, config, world, users, adversary,
+                                                rnd))
             version = await serving_version(engine_url)
             stats = await version_stats(db, version)
             figures = await _round_figures(db, honest, since)
@@ -276,7 +266,7 @@ def _adversary_key(method: str) -> dict[str, Any]:
     from proxy.auth import VERIFIER
 
     if method == "defended":
-        return {}
+        return {"rate_limit_rpm": None, "max_concurrent": None}
     return {"rate_limit_rpm": 0, "max_concurrent": 0, "scopes": [VERIFIER]}
 
 

@@ -30,18 +30,12 @@ import random
 import re
 import time
 from dataclasses import dataclass, field
-from functools import cache
+from functools import cache, partial
 from pathlib import Path
 from typing import Any
 
 from clawrl.eval.config import EvalConfig
-from clawrl.eval.rounds import (
-    loop_state,
-    serving_version,
-    version_stats,
-    wait_judged,
-    wait_published,
-)
+from clawrl.eval.rounds import eval_client, serving_version, train_one_version, version_stats
 
 DATA = Path(__file__).with_name("data") / "everyday"
 PREFS = ("brief", "lowercase", "plain", "no_question", "one_paragraph")
@@ -254,10 +248,7 @@ async def run_everyday_rounds(config: EvalConfig, method: str, proxy_url: str, d
                               engine_url: str, on_round: Any) -> None:
     """Create one person per preference, then chat / wait for the version / probe, round
     after round (clawrl/eval/rounds.py `run_rounds`, for a real model)."""
-    from openai import AsyncOpenAI
-
     from clawrl.base.db import create_async
-    from proxy import admin
 
     data = load()
     probes = data.split(probe_split(config))
@@ -266,25 +257,16 @@ async def run_everyday_rounds(config: EvalConfig, method: str, proxy_url: str, d
     try:
         for i, pref in enumerate(p for p in config.prefs for _ in range(config.users_per_pref)):
             name = f"person-{i}-{pref}"
-            await admin.ensure_user(db, name)
-            key = await admin.create_key(db, name, name="clawrl eval", rate_limit_rpm=0,
-                                         max_concurrent=0)
-            people.append(Person(name, pref, AsyncOpenAI(
-                base_url=f"{proxy_url}/v1", api_key=key.secret, max_retries=2,
-                timeout=900.0), data))
+            people.append(Person(name, pref, await eval_client(db, name, proxy_url,
+                                                               timeout_s=900.0), data))
         started = time.monotonic()
         for rnd in range(config.rounds + 1):
             if rnd > 0 and method == "none":
                 await _chat_wave(config, people, rnd, 0)
             elif rnd > 0:
-                start = (await loop_state(db, method))[2]
-                for wave in range(config.max_chats * -(-config.batch_size // 16)):
-                    await _chat_wave(config, people, rnd, wave)
-                    await wait_judged(db, method, config.round_timeout_s)
-                    _, ready, newest = await loop_state(db, method)
-                    if ready >= config.batch_size or newest > start:
-                        break
-                await wait_published(db, method, engine_url, start, config.round_timeout_s)
+                await train_one_version(config, db, method, engine_url,
+                                        config.max_chats * -(-config.batch_size // 16),
+                                        partial(_chat_wave, config, people, rnd))
             version = await serving_version(engine_url)
             stats = await version_stats(db, version)
             seeds = [random.Random(f"probe-{config.seed}-{q.text}").randrange(2**31)

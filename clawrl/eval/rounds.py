@@ -11,6 +11,8 @@ import asyncio
 import os
 import random
 import time
+from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any
 
 from clawrl.cli.stack import StackError
@@ -38,15 +40,44 @@ def probe_seeds(seed: int, user: int, n: int) -> list[int]:
     return [rng.randrange(2**31) for _ in range(n)]
 
 
+async def eval_client(db: Any, name: str, proxy_url: str, *, timeout_s: float = 600.0,
+                      max_retries: int = 2, **key: Any) -> Any:
+    """The user `name` (made if missing), a key with no per-minute or in-flight limit (one
+    simulated user stands for a crowd: the probes alone are `probes` requests at once; with
+    --probes 128 a limit of 64 in flight answered 429) unless `key` sets them, and an
+    `openai.AsyncOpenAI` client of the proxy with it."""
+    from openai import AsyncOpenAI
+
+    from proxy import admin
+
+    await admin.ensure_user(db, name)
+    limits = {"rate_limit_rpm": 0, "max_concurrent": 0, **key}
+    created = await admin.create_key(db, name, name="clawrl eval", **limits)
+    return AsyncOpenAI(base_url=f"{proxy_url}/v1", api_key=created.secret,
+                       max_retries=max_retries, timeout=timeout_s)
+
+
+async def train_one_version(config: EvalConfig, db: Any, method: str, engine_url: str,
+                            waves: int, wave: Callable[[int], Awaitable[Any]]) -> None:
+    """Chat in waves (`wave(k)`, at most `waves`) until a batch is ready or a version newer
+    than the round's first is out, then wait until the engine serves that version: one
+    published version per round."""
+    start = (await loop_state(db, method))[2]
+    for k in range(waves):
+        await wave(k)
+        await wait_judged(db, method, config.round_timeout_s)
+        _, ready, newest = await loop_state(db, method)
+        if ready >= config.batch_size or newest > start:
+            break
+    await wait_published(db, method, engine_url, start, config.round_timeout_s)
+
+
 async def run_rounds(config: EvalConfig, method: str, proxy_url: str, db_url: str,
                      engine_url: str, on_round: Any) -> None:
     """Create the users, then chat / wait for training / probe, round after round; each
     round's probe rows go to `on_round`."""
-    from openai import AsyncOpenAI
-
     from clawrl.base.db import create_async
     from clawrl.world.simulate import SimUser, phrasings
-    from proxy import admin
 
     says = phrasings(config.followups)
 
@@ -57,14 +88,7 @@ async def run_rounds(config: EvalConfig, method: str, proxy_url: str, db_url: st
     try:
         for i, pref in enumerate(p for p in config.prefs for _ in range(config.users_per_pref)):
             name = f"sim-{i}-{pref}"
-            await admin.ensure_user(db, name)
-            # Unlimited (0): one simulated user stands for a crowd; the probes alone are
-            # `probes` requests at once, over a person's per-minute and in-flight limits
-            # (with --probes 128 the in-flight default of 64 answered 429).
-            key = await admin.create_key(db, name, name="clawrl eval", rate_limit_rpm=0,
-                                         max_concurrent=0)
-            client = AsyncOpenAI(base_url=f"{proxy_url}/v1", api_key=key.secret,
-                                 max_retries=2, timeout=600.0)
+            client = await eval_client(db, name, proxy_url)
             users.append(SimUser(name, pref, client, random.Random(f"user-{config.seed}-{i}"),
                                  says=says))
         started = time.monotonic()
@@ -74,20 +98,13 @@ async def run_rounds(config: EvalConfig, method: str, proxy_url: str, db_url: st
                     await chat_wave(config, world, users, rnd, wave)
             elif rnd > 0:
                 # Chat until a full batch is ready (the trainer only trains full batches),
-                # then wait for that version: one published version per round.
-                # (personal: every user's own batch, the smallest decides)
-                start = (await loop_state(db, method))[2]
-                batch = config.batch_size
-                # (about 16 samples per wave of 2 users x 4 sessions: scale with the batch)
-                waves = config.max_chats * -(-batch * (len(users) if method == PERSONAL else 1)
-                                             // 32)
-                for wave in range(waves):
-                    await chat_wave(config, world, users, rnd, wave)
-                    await wait_judged(db, method, config.round_timeout_s)
-                    _, ready, newest = await loop_state(db, method)
-                    if ready >= batch or newest > start:
-                        break
-                await wait_published(db, method, engine_url, start, config.round_timeout_s)
+                # then wait for that version. (personal: every user's own batch, the
+                # smallest decides; about 16 samples per wave of 2 users x 4 sessions:
+                # scale with the batch)
+                waves = config.max_chats * -(-config.batch_size * (
+                    len(users) if method == PERSONAL else 1) // 32)
+                await train_one_version(config, db, method, engine_url, waves,
+                                        partial(chat_wave, config, world, users, rnd))
             if method == PERSONAL:  # each user's own adapter version
                 served = await _adapter_versions(db)
             else:
