@@ -295,8 +295,9 @@ class ChatEndpoint:
         prompt, requested = prompt_text(body), chat.requested_tokens
         counted = None
         if context:
-            if too_long(state.sizer.bound(prompt), requested, context):
-                raise refusal(state.sizer.bound(prompt), requested, context)
+            bound = state.sizer.bound(prompt)
+            if too_long(bound, requested, context):
+                raise refusal(bound, requested, context)
             counted = await self._count_prompt(principal, len(raw), prompt, requested, context)
         # Fair share last, once the request is known to be valid: a slot among the key's
         # requests in flight and its estimated tokens (corrected when the reply ends).
