@@ -132,8 +132,9 @@ class TrainerSettings(BaseModel):
     # Fair share of the shared model (docs/trainer.md, "Fair share"): no one user steers what
     # everyone is served. Not in personal mode (each adapter learns from its own user only).
     # A batch is drawn round robin across users; while other users have samples waiting, one
-    # user's samples take at most `user_batch_share` of it (at least one sample), so such a
-    # batch may stay partial and train after `max_wait_s`. A user alone may fill a batch.
+    # user's samples take at most `user_batch_share` of it (at least one sample), or an equal
+    # share of it when fewer users wait than that leaves room for; such a batch may stay
+    # partial and train after `max_wait_s`. A user alone may fill a batch.
     # 1: no cap per batch (round robin still).
     user_batch_share: float = Field(default=0.25, gt=0, le=1)
     # One user's samples trained into the shared model within the last `user_window_s`

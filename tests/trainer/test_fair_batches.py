@@ -52,8 +52,9 @@ def train(db: Engine, settings: TrainerSettings, step: int) -> list[int] | None:
 
 def test_fair_order_is_round_robin_within_the_caps() -> None:
     heads = [(1, 7), (2, 7), (3, 7), (4, 8), (5, 7), (6, 9), (9, 8)]
-    # Everyone's first (oldest first), then everyone's second; user 7 capped at 2.
-    assert fair_order(heads, batch_size=16, user_cap=2) == [1, 4, 6, 2, 9]
+    # Everyone's first (oldest first), then everyone's second; user 7 capped at 2 (the cap
+    # and an equal share of a batch of 6 among three users).
+    assert fair_order(heads, batch_size=6, user_cap=2) == [1, 4, 6, 2, 9]
     # A user alone may fill the batch.
     assert fair_order([(1, 7), (2, 7), (3, 7)], batch_size=2, user_cap=1) == [1, 2]
     # The window: user 7 trained 4 of its 5 already; user 8 none of its 5.
@@ -63,30 +64,44 @@ def test_fair_order_is_round_robin_within_the_caps() -> None:
     assert fair_order(heads, batch_size=3, user_cap=1, window_cap=2,
                       trained={8: 2, 9: 2}) == [1, 2]
     assert fair_order([], batch_size=4, user_cap=1) == []
+    # Fewer users waiting than the cap leaves room for: each may take an equal share
+    # (⌈5 / 2⌉ = 3 > the cap of 1), so the batch fills rather than waiting with two slots empty.
+    two = [(1, 7), (2, 7), (3, 7), (4, 7), (5, 8), (6, 8), (7, 8), (8, 8)]
+    assert fair_order(two, batch_size=5, user_cap=1) == [1, 5, 2, 6, 3, 7]
+    # ... and never more than that share: one user's many samples do not fill a batch that
+    # another user's few leave room in (it waits for max_wait_s instead).
+    assert fair_order([(1, 7), (2, 7), (3, 7), (4, 7), (5, 8)], batch_size=4,
+                      user_cap=1) == [1, 5, 2]
 
 
 def test_a_big_user_takes_at_most_a_quarter_while_others_wait(
         db: Engine, add_sample: SampleFactory, sample_state: States) -> None:
-    big, small, other = add_user(db, "big"), add_user(db, "small"), add_user(db, "other")
+    big, small, other, fourth = (add_user(db, n) for n in ("big", "small", "other", "fourth"))
     big_ids = [add_sample(user_id=big) for _ in range(100)]
-    small_ids = [add_sample(user_id=u) for u in (small, other) * 3]
+    small_ids = [add_sample(user_id=u) for u in (small, other, fourth) * 3]
 
     first = train(db, cfg(), 1)
     assert first is not None
-    assert owners(db, first) == {big: 4, small: 3, other: 3}
+    assert owners(db, first) == {big: 4, small: 3, other: 3, fourth: 3}
     assert set(first) == set(small_ids) | set(big_ids[:4])  # the big user's oldest
 
     # Only the big user has samples waiting now: it may fill a batch, oldest first.
     second = train(db, cfg(), 2)
     assert second == big_ids[4:20]
-    # A newcomer's sample goes into the next batch, the big user back to a quarter.
+    # A newcomer's sample goes into the next batch; with two users waiting the big one takes
+    # an equal share (8 of 16), above the quarter but never more.
     newcomer = add_sample(user_id=add_user(db, "newcomer"))
     third = train(db, cfg(), 3)
-    assert third is not None and newcomer in third and len(third) == 5
+    assert third is not None and newcomer in third and len(third) == 9
+    # With many samples of both, the batch fills half and half.
+    more = [add_sample(user_id=small) for _ in range(12)]
+    fourth_batch = train(db, cfg(), 4)
+    assert fourth_batch is not None and owners(db, fourth_batch) == {big: 8, small: 8}
+    assert set(more[:8]) <= set(fourth_batch)
     # Nothing lost: every sample is trained or still waiting, none skipped.
     state = sample_state()
     assert all(why is None for _, why in state.values())
-    assert sum(step is not None for step, _ in state.values()) == 10 + 16 + 5
+    assert sum(step is not None for step, _ in state.values()) == 13 + 16 + 9 + 16
 
 
 def test_a_user_alone_is_held_by_the_window_and_loses_nothing(
@@ -118,14 +133,14 @@ def test_a_capped_batch_waits_for_max_wait_s_like_any_partial_one(
     for _ in range(10):
         add_sample(user_id=a)
     add_sample(user_id=b)
-    # 4 of a and b's one: not a full batch of 16, so it waits for more users' samples
+    # 8 of a (an equal share) and b's one: not a full batch of 16, so it waits for more users' samples
     # (polled until told to stop), then trains as a partial batch after max_wait_s.
     polls = iter(range(5))
     claim, _ = claim_batch(db, cfg(max_wait_s=3600), LIMITS, 0,
                            should_stop=lambda: next(polls, None) is None)
     assert claim is None
     claim, _ = claim_batch(db, cfg(max_wait_s=0.05), LIMITS, 0)
-    assert claim is not None and owners(db, claim.batch.sample_ids) == {a: 4, b: 1}
+    assert claim is not None and owners(db, claim.batch.sample_ids) == {a: 8, b: 1}
     claim.release()
 
 
