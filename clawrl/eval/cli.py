@@ -206,11 +206,11 @@ def parse_args(argv: list[str]) -> EvalConfig:
         raise SystemExit("clawrl eval: --probe-split is for --track toolcall")
     if toolcall and args.proxy_url:
         raise SystemExit("clawrl eval: --track toolcall starts its own stacks (no --proxy-url)")
-    if args.attack and (toolcall or args.personal or args.proxy_url or args.methods):
-        raise SystemExit("clawrl eval: --attack runs its own two methods (defended, "
-                         "undefended) on stacks of its own, on the chat track")
+    if args.attack and (toolcall or args.personal or args.proxy_url):
+        raise SystemExit("clawrl eval: --attack runs its own methods (defended, undefended) "
+                         "on stacks of its own, on the chat track")
     if args.attack:
-        args.methods = ",".join(ATTACK_METHODS)
+        args.methods = args.methods or ",".join(ATTACK_METHODS)
         args.rounds = 10 if args.rounds is None else args.rounds
     if args.methods is None:
         args.methods = (",".join(TOOLCALL_METHODS) if toolcall else

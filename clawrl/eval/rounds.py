@@ -63,13 +63,14 @@ async def train_one_version(config: EvalConfig, db: Any, method: str, engine_url
     than the round's first is out, then wait until the engine serves that version: one
     published version per round."""
     start = (await loop_state(db, method))[2]
+    rejected = await _newest_rejected(db)
     for k in range(waves):
         await wave(k)
         await wait_judged(db, method, config.round_timeout_s)
         _, ready, newest = await loop_state(db, method)
         if ready >= config.batch_size or newest > start:
             break
-    await wait_published(db, method, engine_url, start, config.round_timeout_s)
+    await wait_published(db, method, engine_url, start, config.round_timeout_s, rejected)
 
 
 async def run_rounds(config: EvalConfig, method: str, proxy_url: str, db_url: str,
@@ -263,13 +264,28 @@ async def wait_judged(db: Any, method: str, timeout_s: float, poll_s: float = 1.
     raise StackError(f"the judge did not finish within {timeout_s:.0f} s ({jobs} jobs left)")
 
 
+async def _newest_rejected(db: Any) -> int:
+    """The newest version the trainer's gate rejected (never served), or 0."""
+    from sqlalchemy import text
+
+    async with db.connect() as conn:
+        return int((await conn.execute(text(
+            "SELECT coalesce(max(version), 0) FROM policy_versions "
+            "WHERE status = 'rejected'"))).scalar() or 0)
+
+
 async def wait_published(db: Any, method: str, engine_url: str, after: int,
-                         timeout_s: float, poll_s: float = 1.0) -> int:
-    """Wait until a version newer than `after` is published and the engine serves it."""
+                         timeout_s: float, rejected: int | None = None,
+                         poll_s: float = 1.0) -> int:
+    """Wait until a version newer than `after` is published and the engine serves it, or
+    the gate rejects one newer than `rejected` (read now when not given): the engine goes
+    on serving `after`, and the round probes that."""
     from proxy.auth import CACHE_TTL_S
 
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
+    if rejected is None:
+        rejected = await _newest_rejected(db)
     async with _engine(engine_url) as engine:
         while loop.time() < deadline:
             await asyncio.sleep(poll_s)
@@ -282,5 +298,7 @@ async def wait_published(db: Any, method: str, engine_url: str, after: int,
             serving = await _engine_version(engine)
             if newest > after and str(newest) == str(serving):
                 return newest
+            if await _newest_rejected(db) > rejected:  # the gate kept the served version
+                return after
     raise StackError(f"the trainer published nothing after v{after} within {timeout_s:.0f} s "
                      "(see its log)")

@@ -104,9 +104,14 @@ def test_attack_arguments_and_the_undefended_stack() -> None:
         evalconfig.UNDEFENDED_TRAINER
 
 
-@pytest.mark.parametrize("argv", [["--attack", "--methods", "combine"],
-                                  ["--attack", "--personal"],
+@pytest.mark.parametrize("argv", [["--attack", "--personal"],
                                   ["--attack", "--track", "toolcall"]])
-def test_attack_takes_no_other_methods(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+def test_attack_takes_no_other_tracks(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(argv) == 2
-    assert "--attack runs its own two methods" in capsys.readouterr().err
+    assert "--attack runs its own methods" in capsys.readouterr().err
+
+
+def test_attack_runs_one_of_its_methods(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.parse_args(["--attack", "--methods", "defended"]).methods == ("defended",)
+    assert cli.main(["--attack", "--methods", "combine"]) == 2
+    assert "unknown or missing method" in capsys.readouterr().err

@@ -646,3 +646,36 @@ def test_the_default_model_dir_is_kept_at_the_shipped_build_a_named_one_as_it_is
     assert json.loads((named / MARKER).read_text())["key"] == "an-older-build"
     assert cli.parse_args(["--track", "toolcall"]).default_model
     assert not cli.parse_args(["--track", "toolcall", "--model", str(named)]).default_model
+
+
+def test_a_round_whose_version_the_gate_rejected_goes_on_with_the_served_one(
+        tiny_model_dir: Path, engine_factory: Any, db_url: str) -> None:
+    """The gate (trainer/gate.py) rejects a version: it is never served, so the round stops
+    waiting for it and probes the version still served; with nothing rejected or
+    published, the wait ends in a clear error."""
+    import asyncio
+
+    from sqlalchemy import text
+
+    from clawrl.base.db import create_async
+    from clawrl.cli.stack import StackError
+    from clawrl.eval.rounds import wait_published
+
+    url = engine_factory(tiny_model_dir)
+
+    async def wait(reject: bool) -> int:
+        db = create_async(db_url)
+        try:
+            if reject:
+                async with db.begin() as conn:
+                    await conn.execute(text(
+                        "INSERT INTO policy_versions (version, path, status) "
+                        "VALUES (1, '/nowhere', 'rejected')"))
+            return await wait_published(db, "combine", url, 0, timeout_s=3, rejected=0,
+                                        poll_s=0.2)
+        finally:
+            await db.dispose()
+
+    with pytest.raises(StackError, match="published nothing after v0 within 3 s"):
+        asyncio.run(wait(reject=False))
+    assert asyncio.run(wait(reject=True)) == 0
