@@ -36,7 +36,17 @@ READONLY = "clawrl_readonly"
 KEY_COLUMNS = "id, user_id, prefix, name, rate_limit_rpm, created_at, revoked_at, last_used_at"
 
 
+# The role as upgrade() leaves it, attributes and settings, as a condition on pg_roles: it is
+# altered only when this does not hold.
+ROLE_AS_WANTED = (
+    "rolcanlogin AND NOT rolsuper AND NOT rolcreatedb AND NOT rolcreaterole"
+    " AND NOT rolreplication AND NOT rolbypassrls"
+    " AND coalesce(rolconfig, '{}') @> ARRAY['statement_timeout=60s',"
+    " 'idle_in_transaction_session_timeout=60s', 'default_transaction_read_only=on']")
+
+
 def upgrade() -> None:
+
     op.execute(f"""
         DO $$
         BEGIN
@@ -50,7 +60,11 @@ def upgrade() -> None:
                         RAISE NOTICE 'no privilege to create role {ROLE}; skipped';
                 END;
             END IF;
-            IF EXISTS (SELECT 1 FROM pg_roles WHERE rolname = '{ROLE}') THEN
+            -- Roles are cluster-wide: only what differs is altered, so databases migrated
+            -- at once on one server (two stacks, two test workers) never write the same
+            -- role's row concurrently ("tuple concurrently updated").
+            IF EXISTS (SELECT 1 FROM pg_roles WHERE rolname = '{ROLE}' AND NOT ({ROLE_AS_WANTED}))
+            THEN
                 BEGIN
                     -- A role of that name made by someone else must not keep more rights.
                     EXECUTE 'ALTER ROLE {ROLE} LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE'
@@ -61,8 +75,11 @@ def upgrade() -> None:
                 EXCEPTION WHEN insufficient_privilege THEN
                     RAISE NOTICE 'no privilege to alter role {ROLE}; kept as it is';
                 END;
+            END IF;
+            IF EXISTS (SELECT 1 FROM pg_roles WHERE rolname = '{ROLE}') THEN
                 EXECUTE 'GRANT USAGE ON SCHEMA public TO {ROLE}';
-                IF EXISTS (SELECT 1 FROM pg_roles WHERE rolname = '{READONLY}') THEN
+                IF EXISTS (SELECT 1 FROM pg_roles WHERE rolname = '{READONLY}')
+                   AND NOT pg_has_role('{ROLE}', '{READONLY}', 'MEMBER') THEN
                     EXECUTE 'GRANT {READONLY} TO {ROLE}';
                 END IF;
             END IF;

@@ -241,3 +241,34 @@ def test_migration_round_trip_keeps_the_role_for_other_databases(embedded_url: s
         dbcli.upgrade(other)
     finally:
         _admin(embedded_url, "DROP DATABASE other WITH (FORCE)")
+
+
+def test_migrating_another_database_writes_the_shared_role_only_where_it_differs(
+        embedded_url: str) -> None:
+    """Roles are shared by every database of a server: migrating one more database leaves
+    the role's rows as they are (two databases migrated at once wrote the same row and one
+    failed with "tuple concurrently updated"), and puts back a right it should not have."""
+    rows = ("SELECT (SELECT xmin::text FROM pg_authid WHERE rolname = 'clawrl_sql'), "
+            "(SELECT m.xmin::text FROM pg_auth_members m JOIN pg_roles r ON r.oid = m.member "
+            "WHERE r.rolname = 'clawrl_sql')")
+
+    def role_rows() -> tuple[str, str]:
+        with psycopg.connect(libpq_url(embedded_url)) as conn:
+            row = conn.execute(rows).fetchone()
+        assert row is not None and None not in row
+        return row[0], row[1]
+
+    before = role_rows()
+    _admin(embedded_url, "CREATE DATABASE third")
+    third = embedded_url.replace("/postgres?", "/third?")
+    try:
+        dbcli.upgrade(third)
+        assert role_rows() == before
+        _admin(embedded_url, "ALTER ROLE clawrl_sql CREATEDB")
+        dbcli.downgrade(third, "0003")
+        dbcli.upgrade(third)
+        with psycopg.connect(libpq_url(embedded_url)) as conn:
+            assert conn.execute("SELECT rolcreatedb FROM pg_roles "
+                                "WHERE rolname = 'clawrl_sql'").fetchone() == (False,)
+    finally:
+        _admin(embedded_url, "DROP DATABASE third WITH (FORCE)")
