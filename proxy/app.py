@@ -62,6 +62,7 @@ from proxy.chat import (
 from proxy.endpoints import router
 from proxy.journal import Journal
 from proxy.metrics import TRAINED_SHARES_REFRESH_S, MetricsMiddleware, ProxyMetrics
+from proxy.models import ModelNames
 from proxy.prompt_size import PromptSizer
 from proxy.responses import RESPONSES_PATH, ResponsesEndpoint
 from proxy.sessions import close_stale_turns
@@ -267,6 +268,7 @@ def create_app(settings: Settings, *, db_url: str | None = None,
                             backlog_max=cfg.turn_backlog_max, metrics=app.state.metrics)
         app.state.db, app.state.writer = db, writer
         app.state.upstream = upstream = Upstream(client, pool)
+        app.state.models = ModelNames(cfg, upstream)
         app.state.authenticator = Authenticator(db, cfg)
         app.state.authenticator.limits.engine_slots = lambda: upstream.max_running_requests
         app.state.sizer = sizer = PromptSizer(max_token_bytes=cfg.max_token_bytes,

@@ -45,6 +45,7 @@ from clawrl.base.errors import (
     UpstreamTimeout,
 )
 from proxy.auth import VERIFIER, Principal, require_scope
+from proxy.choices import choice_turns, gather_all, merge_choices
 from proxy.limits import DEFAULT_COMPLETION_ESTIMATE, Lease, estimate_tokens, used_tokens
 from proxy.openai_types import ChatCompletionRequest, parse_chat_request, parse_outcome_header
 from proxy.prompt_size import PromptText, prompt_text, refusal, too_long
@@ -195,10 +196,11 @@ class ChatShape:
     wants_logprobs: bool = False
 
     def whole(self, turn: ChatTurn, data: dict[str, Any], reply: EngineReply) -> bytes:
+        data["model"] = turn.served_model
         return orjson.dumps(client_view(data, wants_logprobs=self.wants_logprobs))
 
     def renderer(self, turn: ChatTurn) -> Renderer:
-        return ChatRenderer(self.wants_logprobs)
+        return ChatRenderer(self.wants_logprobs, turn.served_model)
 
 
 class ChatEndpoint:
@@ -287,8 +289,8 @@ class ChatEndpoint:
         outcome = parse_outcome_header(headers.get(b"x-session-outcome"))
         if outcome is not None:  # a reward: refused whole, before the engine sees anything
             require_scope(principal, VERIFIER, "set a session outcome (X-Session-Outcome)")
-        if not body.get("model"):
-            body["model"] = settings.served_model_name or "default"
+        served = await state.models.resolve(body.get("model"))  # or 404 model_not_found
+        body["model"] = body.get("model") or "default"
         sampling = applied_sampling(body, state.upstream.sampling_defaults)
         # The prompt's size before the engine sees it (proxy/prompt_size.py): its bytes
         # alone may show that it cannot fit, else its tokens, when it might not.
@@ -306,8 +308,10 @@ class ChatEndpoint:
         else:
             prompt_bytes = prompt.nbytes if not context else min(prompt.nbytes, 4 * context)
             estimate = estimate_tokens(prompt_bytes, requested)
-        lease = state.authenticator.limits.admit(principal, estimate)
-        turn = ChatTurn(principal, body, chat, lease, began, {}, shape, sampling=sampling)
+        n = chat.n or 1  # each choice costs what one reply costs
+        lease = state.authenticator.limits.admit(principal, estimate * n)
+        turn = ChatTurn(principal, body, chat, lease, began, {}, shape, sampling=sampling,
+                        served_model=served, engine_model=state.models.engine_model())
         turn.record = None if principal.log_opt_out else new_record(
             principal, body, kind, session_ext, headers, outcome, uid=turn.uid, extra=extra)
         if turn.record is not None:
@@ -317,7 +321,9 @@ class ChatEndpoint:
                 turn.out["X-Clawrl-Session-Id"] = str(
                     explicit_session_id(principal.user_id, session_ext))
         try:
-            if chat.stream:
+            if n > 1:
+                await self._serve_choices(receive, send, choice_turns(turn, n))
+            elif chat.stream:
                 await self._serve_stream(receive, send, turn)
             else:
                 await self._serve_json(receive, send, turn)
@@ -381,37 +387,68 @@ class ChatEndpoint:
 
     async def _call_engine(self, receive: Receive, turn: ChatTurn,
                            call: Callable[[dict[str, Any]], Awaitable[T]]) -> T:
-        """The engine call (`call`: a whole reply or a stream), for the user's adapter; when
-        that adapter is not in the engine (restarted, unloaded before the table caught up),
-        the base model, as for a user without one. A client that leaves or an engine that
-        fails is logged as the turn's status."""
-        adapter, stream = turn.principal.adapter, bool(turn.chat.stream)
+        """The engine call (`call`: a whole reply or a stream), cancelled when the client
+        leaves. A client that leaves or an engine that fails is logged as the turn's status."""
+        return (await self._call_engines(receive, [turn], call))[0]
+
+    async def _call_engines(self, receive: Receive, turns: list[ChatTurn],
+                            call: Callable[[dict[str, Any]], Awaitable[T]]) -> list[T]:
+        """`_call_engine` for every turn at once (a request's choices: proxy/choices.py)."""
         try:
-            try:
-                return await until_disconnect(receive, call(engine_body(
-                    turn.body, stream=stream, adapter=adapter, sampling=turn.sampling)))
-            except BadRequest as exc:
-                if adapter is None or not adapter_missing(exc, adapter):
-                    raise
-                log.warning("adapter %s not loaded in the engine; serving the base model",
-                            adapter, extra={"action": "adapter_fallback"})
-                if turn.record is not None:
-                    turn.record.adapter = turn.record.adapter_version = None
-                return await until_disconnect(
-                    receive, call(engine_body(turn.body, stream=stream, sampling=turn.sampling)))
+            return await until_disconnect(receive, gather_all(
+                [self._engine_call(turn, call) for turn in turns]))
         except ClientGone:
-            self._log(turn, "client_disconnected", "The client left before the reply was ready.")
+            for turn in turns:
+                self._log(turn, "client_disconnected",
+                          "The client left before the reply was ready.")
             raise
         except (UpstreamError, UpstreamTimeout) as exc:
-            # The engine was called: keep the failed turn (never trained), tell its id.
-            self._log(turn, "engine_error", exc.message)
-            exc.headers.update(turn.out)
+            # The engine was called: keep the failed turns (never trained), tell their ids.
+            for turn in turns:
+                self._log(turn, "engine_error", exc.message)
+            exc.headers.update(turns[0].out)
             raise
 
+    async def _engine_call(self, turn: ChatTurn,
+                           call: Callable[[dict[str, Any]], Awaitable[T]]) -> T:
+        """One engine call for the user's adapter; when that adapter is not in the engine
+        (restarted, unloaded before the table caught up), the base model, as for a user
+        without one."""
+        adapter, stream = turn.principal.adapter, bool(turn.chat.stream)
+        try:
+            return await call(engine_body(turn.body, stream=stream, adapter=adapter,
+                                          sampling=turn.sampling, model=turn.engine_model))
+        except BadRequest as exc:
+            if adapter is None or not adapter_missing(exc, adapter):
+                raise
+            log.warning("adapter %s not loaded in the engine; serving the base model",
+                        adapter, extra={"action": "adapter_fallback"})
+            if turn.record is not None:
+                turn.record.adapter = turn.record.adapter_version = None
+            return await call(engine_body(turn.body, stream=stream, sampling=turn.sampling,
+                                          model=turn.engine_model))
+
+    async def _serve_choices(self, receive: Receive, send: Send,
+                             turns: list[ChatTurn]) -> None:
+        """`n` > 1 (proxy/choices.py): one engine call per choice at once, each choice its
+        own turn, one reply with every choice."""
+        datas = await self._call_engines(receive, turns, self.state.upstream.chat)
+        replies = [parse_reply(data) for data in datas]
+        used = [self._finish(turn, reply, "ok", settle=False)
+                for turn, reply in zip(turns, replies, strict=True)]
+        counted = [u for u in used if u is not None]
+        turns[0].lease.release(sum(counted) if counted else None)
+        first = turns[0]
+        content = first.shape.whole(first, merge_choices(datas), replies[0])
+        for turn in turns:
+            await self._durable(turn)
+        await send_json(send, 200, content, first.out)
+
     def _finish(self, turn: ChatTurn, reply: EngineReply, status: str,
-                error: str | None = None) -> None:
+                error: str | None = None, *, settle: bool = True) -> int | None:
         """The reply is known (whole, or the stream ended): record it, count its tokens,
-        settle the key's token estimate, log the turn."""
+        settle the key's token estimate (unless the caller settles it: `settle`), log the
+        turn. Returns the tokens the reply used (None: the engine did not say)."""
         if turn.record is not None:
             record = turn.record
             record.response_message = reply.message
@@ -421,8 +458,11 @@ class ChatEndpoint:
             record.weight_version = reply.weight_version or self.state.upstream.weight_version
         self.state.metrics.count_tokens(len(reply.prompt_ids or ()),
                                         len(reply.response_ids or ()))
-        turn.lease.release(used_tokens(reply.prompt_ids, reply.response_ids, reply.usage))
+        used = used_tokens(reply.prompt_ids, reply.response_ids, reply.usage)
+        if settle:
+            turn.lease.release(used)
         self._log(turn, status, error)
+        return used
 
     def _log(self, turn: ChatTurn, status: str, error: str | None = None) -> None:
         if turn.record is None:  # opted out of logging
@@ -459,6 +499,10 @@ class ChatTurn:
     record: TurnRecord | None = None
     # The distribution the engine samples with, every parameter explicit (proxy/sampling.py).
     sampling: dict[str, Any] | None = None
+    # The model id the client reads in the reply, and the name the engine is sent
+    # (proxy/models.py).
+    served_model: str = "default"
+    engine_model: str | None = None
 
 
 def new_record(principal: Principal, body: dict[str, Any], kind: str, session_ext: str | None,

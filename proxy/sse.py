@@ -133,11 +133,15 @@ def _engine_error(chunk: dict[str, Any]) -> ClawrlError | None:
     return None
 
 
-def client_chunk(chunk: dict[str, Any], *, wants_logprobs: bool) -> bytes | None:
-    """The SSE event to forward for an engine chunk, or None when it is proxy-only."""
+def client_chunk(chunk: dict[str, Any], *, wants_logprobs: bool,
+                 model: str | None = None) -> bytes | None:
+    """The SSE event to forward for an engine chunk, or None when it is proxy-only;
+    `model`: the id the client reads in place of the engine's name."""
     if chunk.pop("sglext", None) is not None and not chunk.get("choices") \
             and not chunk.get("usage"):
         return None
+    if model is not None and "model" in chunk:
+        chunk["model"] = model
     if not wants_logprobs:
         for choice in chunk.get("choices") or []:
             choice["logprobs"] = None
@@ -174,12 +178,13 @@ class ChatRenderer:
     for, then `[DONE]` (after one error event when the stream failed)."""
 
     wants_logprobs: bool = False
+    model: str | None = None
 
     def start(self) -> bytes:
         return b""
 
     def chunk(self, chunk: dict[str, Any]) -> bytes | None:
-        return client_chunk(chunk, wants_logprobs=self.wants_logprobs)
+        return client_chunk(chunk, wants_logprobs=self.wants_logprobs, model=self.model)
 
     def end(self, collector: StreamCollector, failure: ClawrlError | None) -> bytes:
         return DONE if failure is None else error_event(failure) + DONE
