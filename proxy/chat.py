@@ -52,8 +52,15 @@ from proxy.prompt_size import PromptText, prompt_text, refusal, too_long
 from proxy.records import TurnRecord
 from proxy.sampling import applied_sampling
 from proxy.sessions import MAX_SESSION_ID, explicit_session_id
-from proxy.sse import ChatRenderer, Last, Renderer, StreamCollector, relay
-from proxy.upstream import EngineReply, adapter_missing, client_view, engine_body, parse_reply
+from proxy.sse import ChatRenderer, Collector, Last, Renderer, StreamCollector, relay
+from proxy.upstream import (
+    CHAT_PATH,
+    EngineReply,
+    adapter_missing,
+    client_view,
+    engine_body,
+    parse_reply,
+)
 
 log = logging.getLogger("clawrl.proxy")
 T = TypeVar("T")
@@ -218,6 +225,22 @@ class ChatEndpoint:
         body, chat = parse_chat_request(raw)
         return body, chat, ChatShape(bool(chat.logprobs)), {}
 
+    # The engine route this API is served by, and how its request and reply are made and
+    # read (proxy/completions.py serves `/v1/completions` by the engine's `/generate`).
+    engine_path = CHAT_PATH
+
+    def engine_request(self, turn: ChatTurn, adapter: str | None) -> dict[str, Any]:
+        """The engine body for `turn` (with the user's adapter, or the base model: None)."""
+        return engine_body(turn.body, stream=bool(turn.chat.stream), adapter=adapter,
+                           sampling=turn.sampling, model=turn.engine_model)
+
+    def read_reply(self, data: dict[str, Any]) -> EngineReply:
+        return parse_reply(data)
+
+    def new_collector(self) -> Collector:
+        """What collects a streamed reply for the turn log (proxy/sse.py)."""
+        return StreamCollector()
+
     def tokens_field(self, chat: ChatCompletionRequest) -> str:
         """The request field that asked for `chat.requested_tokens` (named in a 400)."""
         return "max_completion_tokens" if chat.max_completion_tokens else "max_tokens"
@@ -349,8 +372,9 @@ class ChatEndpoint:
     async def _serve_json(self, receive: Receive, send: Send, turn: ChatTurn) -> None:
         """A whole reply: one engine call, the turn logged, the JSON sent."""
         upstream = self.state.upstream
-        data = await self._call_engine(receive, turn, upstream.chat)
-        reply = parse_reply(data)
+        data = await self._call_engine(receive, turn, functools.partial(
+            upstream.chat, path=self.engine_path))
+        reply = self.read_reply(data)
         self._finish(turn, reply, "ok")
         content = turn.shape.whole(turn, data, reply)
         await self._durable(turn)
@@ -359,10 +383,11 @@ class ChatEndpoint:
     async def _serve_stream(self, receive: Receive, send: Send, turn: ChatTurn) -> None:
         """A streamed reply: the engine's chunks relayed as they come; the turn is logged
         when the relay ends (or the client leaves)."""
-        stream = await self._call_engine(receive, turn, self.state.upstream.open_chat_stream)
+        stream = await self._call_engine(receive, turn, functools.partial(
+            self.state.upstream.open_chat_stream, path=self.engine_path))
         finished = False
 
-        def finish(collector: StreamCollector, status: str, error: str | None) -> None:
+        def finish(collector: Collector, status: str, error: str | None) -> None:
             nonlocal finished
             finished = True
             self._finish(turn, collector.reply(), status, error)
@@ -370,7 +395,8 @@ class ChatEndpoint:
         turn.out.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         start = {"type": "http.response.start", "status": 200,
                  "headers": _raw_headers(turn.out, _SSE, None)}
-        pieces = relay(stream, render=turn.shape.renderer(turn), finish=finish)
+        pieces = relay(stream, render=turn.shape.renderer(turn), finish=finish,
+                       collector=self.new_collector())
         durable = (functools.partial(self._durable, turn)
                    if self._sync_durability(turn) else None)
         try:
@@ -414,10 +440,9 @@ class ChatEndpoint:
         """One engine call for the user's adapter; when that adapter is not in the engine
         (restarted, unloaded before the table caught up), the base model, as for a user
         without one."""
-        adapter, stream = turn.principal.adapter, bool(turn.chat.stream)
+        adapter = turn.principal.adapter
         try:
-            return await call(engine_body(turn.body, stream=stream, adapter=adapter,
-                                          sampling=turn.sampling, model=turn.engine_model))
+            return await call(self.engine_request(turn, adapter))
         except BadRequest as exc:
             if adapter is None or not adapter_missing(exc, adapter):
                 raise
@@ -425,15 +450,14 @@ class ChatEndpoint:
                         adapter, extra={"action": "adapter_fallback"})
             if turn.record is not None:
                 turn.record.adapter = turn.record.adapter_version = None
-            return await call(engine_body(turn.body, stream=stream, sampling=turn.sampling,
-                                          model=turn.engine_model))
+            return await call(self.engine_request(turn, None))
 
     async def _serve_choices(self, receive: Receive, send: Send,
                              turns: list[ChatTurn]) -> None:
         """`n` > 1 (proxy/choices.py): one engine call per choice at once, each choice its
         own turn, one reply with every choice."""
         datas = await self._call_engines(receive, turns, self.state.upstream.chat)
-        replies = [parse_reply(data) for data in datas]
+        replies = [self.read_reply(data) for data in datas]
         used = [self._finish(turn, reply, "ok", settle=False)
                 for turn, reply in zip(turns, replies, strict=True)]
         counted = [u for u in used if u is not None]

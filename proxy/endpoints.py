@@ -22,6 +22,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from clawrl.base.db import Feedback, Turn
 from clawrl.base.errors import NotFound, PayloadTooLarge, Unavailable
 from proxy.auth import VERIFIER, Principal, require_scope
+from proxy.completions import COMPLETIONS_PATH, CompletionRequest
 from proxy.models import ModelNames
 from proxy.openai_types import (
     ChatCompletionRequest,
@@ -132,12 +133,13 @@ async def post_outcome(request: Request, session_id: str) -> dict[str, Any]:
 
 def openapi_document(app: FastAPI) -> dict[str, Any]:
     """The proxy's OpenAPI document: FastAPI's routes, plus the request bodies of the bare
-    chat and responses routes, of feedback and of session outcomes (read raw, so FastAPI
+    chat, responses and completions routes, of feedback and of session outcomes (read raw, so FastAPI
     cannot describe them)."""
     doc = get_openapi(title="clawrl proxy", version="1", routes=app.routes)
     schemas = doc.setdefault("components", {}).setdefault("schemas", {})
     models: tuple[tuple[str, type[BaseModel]], ...] = (
         (CHAT_PATH, ChatCompletionRequest), (RESPONSES_PATH, ResponsesRequest),
+        (COMPLETIONS_PATH, CompletionRequest),
         ("/v1/feedback", FeedbackRequest), ("/v1/sessions/{session_id}/outcome", OutcomeRequest))
     for path, model in models:
         schema = model.model_json_schema(ref_template="#/components/schemas/{model}")

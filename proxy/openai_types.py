@@ -59,6 +59,7 @@ TopP = Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)]
 Penalty = Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)]
 _TokenId = Annotated[str, Field(pattern=r"^[0-9]{1,10}$")]
 _Bias = Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]
+LogitBias = Annotated[dict[_TokenId, _Bias], Field(max_length=MAX_LOGIT_BIAS)]
 
 # Fields an OpenAI client may send back inside an assistant message that mean nothing to
 # the engine: dropped (when empty) rather than refused, so resending a reply works.
@@ -181,7 +182,7 @@ class ChatCompletionRequest(_Strict):
     top_k: int | None = Field(default=None, ge=-1, le=1_000_000)
     frequency_penalty: Penalty | None = None
     presence_penalty: Penalty | None = None
-    logit_bias: dict[_TokenId, _Bias] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
+    logit_bias: LogitBias | None = None
     response_format: dict[str, Any] | None = None
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     stop: str | list[str] | None = None

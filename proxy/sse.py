@@ -148,7 +148,18 @@ def client_chunk(chunk: dict[str, Any], *, wants_logprobs: bool,
     return b"data: " + orjson.dumps(chunk) + b"\n\n"
 
 
-Finish = Callable[[StreamCollector, str, str | None], None]
+class Collector(Protocol):
+    """What collects a streamed reply for the turn log: chat chunks (`StreamCollector`), or
+    another engine route's (proxy/completions.py)."""
+
+    finish_reason: str | None
+
+    def add(self, chunk: dict[str, Any]) -> None: ...
+
+    def reply(self) -> EngineReply: ...
+
+
+Finish = Callable[[Any, str, str | None], None]
 
 
 class Last(bytes):
@@ -167,7 +178,7 @@ class Renderer(Protocol):
         """The piece for one engine chunk (already added to the collector), or None."""
         ...
 
-    def end(self, collector: StreamCollector, failure: ClawrlError | None) -> bytes:
+    def end(self, collector: Any, failure: ClawrlError | None) -> bytes:
         """The closing piece: the reply is complete (`failure` None) or failed."""
         ...
 
@@ -191,10 +202,10 @@ class ChatRenderer:
 
 
 async def relay(upstream: ChatStream, *, render: Renderer, finish: Finish,
-                ) -> AsyncIterator[bytes]:
+                collector: Collector | None = None) -> AsyncIterator[bytes]:
     """Forward an open engine stream as `render` shapes it; the last piece is a `Last`;
-    `finish(collector, status, error)` runs exactly once."""
-    collector = StreamCollector()
+    `finish(collector, status, error)` runs exactly once (`collector`: chat chunks')."""
+    collector = collector if collector is not None else StreamCollector()
     status, error = "client_disconnected", None
     try:
         first = render.start()

@@ -234,17 +234,17 @@ class Upstream:
             await self.pool.aclose()
         await self.client.aclose()
 
-    async def chat(self, body: dict[str, Any]) -> dict[str, Any]:
+    async def chat(self, body: dict[str, Any], path: str = CHAT_PATH) -> dict[str, Any]:
+        """A whole reply from the engine's chat route (or `path`: `/generate`)."""
         try:
             if self.pool is not None:
-                response = await self.pool.post(CHAT_PATH, orjson.dumps(body))
+                response = await self.pool.post(path, orjson.dumps(body))
                 try:
                     status, content = response.status_code, await response.aread()
                 finally:  # a no-op after a complete read; else the connection is dropped
                     await response.aclose()
             else:
-                reply = await self.client.post(CHAT_PATH, content=orjson.dumps(body),
-                                               headers=_JSON)
+                reply = await self.client.post(path, content=orjson.dumps(body), headers=_JSON)
                 status, content = reply.status_code, reply.content
         except httpx.HTTPError as exc:
             raise translate(exc) from exc
@@ -258,14 +258,15 @@ class Upstream:
             raise UpstreamError("The engine answered with an unexpected JSON shape.")
         return data
 
-    async def open_chat_stream(self, body: dict[str, Any]) -> ChatStream:
-        """Send a streaming request; the caller owns (and must close) the response."""
+    async def open_chat_stream(self, body: dict[str, Any], path: str = CHAT_PATH) -> ChatStream:
+        """Send a streaming request (to the chat route, or `path`); the caller owns (and must
+        close) the response."""
         response: EngineResponse | httpx.Response
         try:
             if self.pool is not None:
-                response = await self.pool.post(CHAT_PATH, orjson.dumps(body))
+                response = await self.pool.post(path, orjson.dumps(body))
             else:
-                request = self.client.build_request("POST", CHAT_PATH,
+                request = self.client.build_request("POST", path,
                                                     content=orjson.dumps(body), headers=_JSON)
                 response = await self.client.send(request, stream=True)
         except httpx.HTTPError as exc:

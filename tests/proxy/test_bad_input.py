@@ -41,7 +41,8 @@ BAD_BODIES: list[tuple[str, Any, str]] = [
      "invalid_request"),
     ("stream wrong type", {"model": "default", "messages": OK_MESSAGES, "stream": "yes"},
      "invalid_request"),
-    ("n above one", {"model": "default", "messages": OK_MESSAGES, "n": 3}, "invalid_request"),
+    ("n above the maximum", {"model": "default", "messages": OK_MESSAGES, "n": 9},
+     "invalid_request"),
     ("tools wrong shape", {"model": "default", "messages": OK_MESSAGES, "tools": [{"type": 1}]},
      "invalid_request"),
 ]

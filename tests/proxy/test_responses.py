@@ -496,7 +496,8 @@ def test_output_conversion_of_a_chat_reply() -> None:
     shape = ResponsesShape(parse_responses_request(b'{"input": "hi", "tools": '
                                                    + json.dumps(TOOLS).encode() + b"}")[2])
     uid = str(uuid.uuid4())
-    fake_turn: Any = SimpleNamespace(uid=uid, body={"model": "default"})
+    fake_turn: Any = SimpleNamespace(uid=uid, body={"model": "default"},
+                                     served_model="default")
     data = {"choices": [{"index": 0, "finish_reason": "tool_calls", "message": {
         "role": "assistant", "content": "Looking.", "tool_calls": [
             {"id": "call_a", "type": "function",
@@ -524,7 +525,8 @@ def test_stream_rendering_of_text_and_tool_calls() -> None:
     engine.reply = {"role": "assistant", "content": "On it.", "tool_calls":
                     TOOL_REPLY["tool_calls"]}
     shape = ResponsesShape(parse_responses_request(b'{"input": "hi"}')[2])
-    fake_turn: Any = SimpleNamespace(uid=str(uuid.uuid4()), body={"model": "default"})
+    fake_turn: Any = SimpleNamespace(uid=str(uuid.uuid4()), body={"model": "default"},
+                                     served_model="default")
     renderer, collector = ResponsesRenderer(shape, fake_turn), StreamCollector()
     pieces = [renderer.start()]
     for line in engine.sse().split(b"\n\n"):
