@@ -27,7 +27,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, TypeVar
 
 import anyio
@@ -45,7 +45,7 @@ from clawrl.base.errors import (
     UpstreamTimeout,
 )
 from proxy.auth import VERIFIER, Principal, require_scope
-from proxy.choices import choice_turns, gather_all, merge_choices
+from proxy.choices import choice_body, gather_all, merge_choices
 from proxy.limits import DEFAULT_COMPLETION_ESTIMATE, Lease, estimate_tokens, used_tokens
 from proxy.openai_types import ChatCompletionRequest, parse_chat_request, parse_outcome_header
 from proxy.prompt_size import PromptText, prompt_text, refusal, too_long
@@ -544,6 +544,27 @@ def new_record(principal: Principal, body: dict[str, Any], kind: str, session_ex
         session_done=(headers.get(b"x-session-done") or "").strip().lower() in _TRUE,
         session_outcome=outcome, train_opt_out=principal.train_opt_out,
         adapter=principal.adapter, adapter_version=principal.adapter_version)
+
+
+def choice_turns(turn: ChatTurn, n: int) -> list[ChatTurn]:
+    """The `n` turns of a request's choices: the first is `turn` itself (its uid, its
+    response headers); each has its own body and record, in one group."""
+    group = str(uuid.uuid4())
+    turns = []
+    for index in range(n):
+        body = choice_body(turn.body, index)
+        choice = turn if index == 0 else replace(turn, uid=str(uuid.uuid4()), out={})
+        choice.body = body
+        if turn.record is not None:
+            params = dict(turn.record.params)
+            if "seed" in body:
+                params["seed"] = body["seed"]
+            choice.record = replace(turn.record, uid=choice.uid, params=params,
+                                    group_id=group, group_index=index)
+        turns.append(choice)
+    if turn.record is not None:
+        turn.out["X-Clawrl-Turn-Ids"] = ",".join(t.uid for t in turns)
+    return turns
 
 
 async def _forward(start: Message, pieces: AsyncIterator[bytes], send: Send,

@@ -11,20 +11,16 @@ prompt (proxy/sessions.py puts them in one session, at one index). The client re
 as OpenAI counts it); `X-Clawrl-Turn-Id` names the first choice's turn and
 `X-Clawrl-Turn-Ids` every choice's, in order.
 
-If one choice fails, the others are cancelled and the request fails as a single one would
+proxy/chat.py makes the choices' turns (`choice_turns`) and serves them; this module holds
+what does not depend on a turn. If one choice fails, the others are cancelled and the request fails as a single one would
 (every choice's turn is logged with the failure, none is trained).
 """
 
 from __future__ import annotations
 
 import asyncio
-import uuid
 from collections.abc import Awaitable, Sequence
-from dataclasses import replace
-from typing import TYPE_CHECKING, Any, TypeVar
-
-if TYPE_CHECKING:
-    from proxy.chat import ChatTurn
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 _INT64 = 2**63
@@ -41,27 +37,6 @@ def choice_body(body: dict[str, Any], index: int) -> dict[str, Any]:
     if isinstance(out.get("seed"), int):
         out["seed"] = choice_seed(out["seed"], index)
     return out
-
-
-def choice_turns(turn: ChatTurn, n: int) -> list[ChatTurn]:
-    """The `n` turns of a request's choices: the first is `turn` itself (its uid, its
-    response headers); each has its own body and record, in one group."""
-    group = str(uuid.uuid4())
-    turns = []
-    for index in range(n):
-        body = choice_body(turn.body, index)
-        choice = turn if index == 0 else replace(turn, uid=str(uuid.uuid4()), out={})
-        choice.body = body
-        if turn.record is not None:
-            params = dict(turn.record.params)
-            if "seed" in body:
-                params["seed"] = body["seed"]
-            choice.record = replace(turn.record, uid=choice.uid, params=params,
-                                    group_id=group, group_index=index)
-        turns.append(choice)
-    if turn.record is not None:
-        turn.out["X-Clawrl-Turn-Ids"] = ",".join(t.uid for t in turns)
-    return turns
 
 
 def merge_choices(datas: Sequence[dict[str, Any]]) -> dict[str, Any]:

@@ -5,7 +5,7 @@ The proxy serves one model. Its id is `CLAWRL_PROXY__SERVED_MODEL_NAME` when set
 engine's own name (`/model_info`'s `served_model_name`) made clean: both engines name a
 model by the folder it was loaded from unless told otherwise, an absolute path of the
 engine's machine, which no client should see and from which the openai SDK builds
-`/models//home/…` — so a path is shown as its last folder. A Hugging Face id
+`/models//srv/…` — so a path is shown as its last folder. A Hugging Face id
 (`org/name`) is kept as it is.
 
 A request may name the model by that id, by `default`, by the engine's own name, or by an

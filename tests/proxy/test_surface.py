@@ -19,8 +19,8 @@ HELLO: list[Any] = [{"role": "user", "content": "Tell me about the sea."}]
 
 
 def test_clean_id_shows_a_path_as_its_last_folder() -> None:
-    assert clean_id("/home/me/.clawrl/models/tinyworld") == "tinyworld"
-    assert clean_id("/home/me/models/SmolLM2-135M-Instruct/") == "SmolLM2-135M-Instruct"
+    assert clean_id("/srv/clawrl/models/tinyworld") == "tinyworld"
+    assert clean_id("/srv/models/SmolLM2-135M-Instruct/") == "SmolLM2-135M-Instruct"
     assert clean_id("./models/m") == "m"
     assert clean_id("HuggingFaceTB/SmolLM2-135M-Instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert clean_id("smollm2-135m") == "smollm2-135m"
