@@ -10,8 +10,8 @@ Shared resources live in the lifespan: the engine connections (a lean keep-alive
 chat, proxy/engine_http.py, and one `httpx.AsyncClient` for the rest), one async SQLAlchemy
 engine, and the background tasks — the turn writer, the session-timeout sweep and the
 weight-version poll (which also follows the served model's tokenizer, proxy/prompt_size.py).
-`POST /v1/chat/completions` and `POST /v1/responses` (the same path, proxy/responses.py) skip
-FastAPI's layers (`ProxyApp`).
+`POST /v1/chat/completions`, `POST /v1/responses` and `POST /v1/completions` (the same path,
+proxy/responses.py and proxy/completions.py) skip FastAPI's layers (`ProxyApp`).
 
 Nothing grows before authentication (`ProxyApp.__call__`, and the chat endpoint for its
 own routes): a declared body over the limit is 413 and a missing or wrong key 401 from the
@@ -59,9 +59,11 @@ from proxy.chat import (
     read_body,
     send_json,
 )
+from proxy.completions import COMPLETIONS_PATH, CompletionsEndpoint
 from proxy.endpoints import router
 from proxy.journal import Journal
 from proxy.metrics import TRAINED_SHARES_REFRESH_S, MetricsMiddleware, ProxyMetrics
+from proxy.models import ModelNames
 from proxy.prompt_size import PromptSizer
 from proxy.responses import RESPONSES_PATH, ResponsesEndpoint
 from proxy.sessions import close_stale_turns
@@ -267,6 +269,7 @@ def create_app(settings: Settings, *, db_url: str | None = None,
                             backlog_max=cfg.turn_backlog_max, metrics=app.state.metrics)
         app.state.db, app.state.writer = db, writer
         app.state.upstream = upstream = Upstream(client, pool)
+        app.state.models = ModelNames(cfg, upstream)
         app.state.authenticator = Authenticator(db, cfg)
         app.state.authenticator.limits.engine_slots = lambda: upstream.max_running_requests
         app.state.sizer = sizer = PromptSizer(max_token_bytes=cfg.max_token_bytes,
@@ -317,12 +320,14 @@ def create_app(settings: Settings, *, db_url: str | None = None,
     app.add_exception_handler(ClawrlError, _on_clawrl_error)
     app.add_exception_handler(StarletteHTTPException, _on_http_error)
     app.add_exception_handler(Exception, _on_unexpected)
-    chat, responses = ChatEndpoint(app.state), ResponsesEndpoint(app.state)
+    endpoints = ((CHAT_PATH, ChatEndpoint(app.state)),
+                 (RESPONSES_PATH, ResponsesEndpoint(app.state)),
+                 (COMPLETIONS_PATH, CompletionsEndpoint(app.state)))
     app.fast_routes = {path: MetricsMiddleware(endpoint, metrics=app.state.metrics)
-                       for path, endpoint in ((CHAT_PATH, chat), (RESPONSES_PATH, responses))}
+                       for path, endpoint in endpoints}
     # Also regular routes: other methods get 405, and ASGI test transports reach them.
-    app.router.routes.append(Route(CHAT_PATH, chat, methods=["POST"]))
-    app.router.routes.append(Route(RESPONSES_PATH, responses, methods=["POST"]))
+    for path, endpoint in endpoints:
+        app.router.routes.append(Route(path, endpoint, methods=["POST"]))
     app.include_router(router)
     try:  # H2b's admin API, when present
         admin = importlib.import_module("proxy.admin")

@@ -27,7 +27,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, TypeVar
 
 import anyio
@@ -45,14 +45,22 @@ from clawrl.base.errors import (
     UpstreamTimeout,
 )
 from proxy.auth import VERIFIER, Principal, require_scope
+from proxy.choices import choice_body, gather_all, merge_choices
 from proxy.limits import DEFAULT_COMPLETION_ESTIMATE, Lease, estimate_tokens, used_tokens
 from proxy.openai_types import ChatCompletionRequest, parse_chat_request, parse_outcome_header
 from proxy.prompt_size import PromptText, prompt_text, refusal, too_long
 from proxy.records import TurnRecord
 from proxy.sampling import applied_sampling
 from proxy.sessions import MAX_SESSION_ID, explicit_session_id
-from proxy.sse import ChatRenderer, Last, Renderer, StreamCollector, relay
-from proxy.upstream import EngineReply, adapter_missing, client_view, engine_body, parse_reply
+from proxy.sse import ChatRenderer, Collector, Last, Renderer, StreamCollector, relay
+from proxy.upstream import (
+    CHAT_PATH,
+    EngineReply,
+    adapter_missing,
+    client_view,
+    engine_body,
+    parse_reply,
+)
 
 log = logging.getLogger("clawrl.proxy")
 T = TypeVar("T")
@@ -195,10 +203,11 @@ class ChatShape:
     wants_logprobs: bool = False
 
     def whole(self, turn: ChatTurn, data: dict[str, Any], reply: EngineReply) -> bytes:
+        data["model"] = turn.served_model
         return orjson.dumps(client_view(data, wants_logprobs=self.wants_logprobs))
 
     def renderer(self, turn: ChatTurn) -> Renderer:
-        return ChatRenderer(self.wants_logprobs)
+        return ChatRenderer(self.wants_logprobs, turn.served_model)
 
 
 class ChatEndpoint:
@@ -215,6 +224,22 @@ class ChatEndpoint:
         client, and extra parameters to log with the turn; or BadRequest."""
         body, chat = parse_chat_request(raw)
         return body, chat, ChatShape(bool(chat.logprobs)), {}
+
+    # The engine route this API is served by, and how its request and reply are made and
+    # read (proxy/completions.py serves `/v1/completions` by the engine's `/generate`).
+    engine_path = CHAT_PATH
+
+    def engine_request(self, turn: ChatTurn, adapter: str | None) -> dict[str, Any]:
+        """The engine body for `turn` (with the user's adapter, or the base model: None)."""
+        return engine_body(turn.body, stream=bool(turn.chat.stream), adapter=adapter,
+                           sampling=turn.sampling, model=turn.engine_model)
+
+    def read_reply(self, data: dict[str, Any]) -> EngineReply:
+        return parse_reply(data)
+
+    def new_collector(self) -> Collector:
+        """What collects a streamed reply for the turn log (proxy/sse.py)."""
+        return StreamCollector()
 
     def tokens_field(self, chat: ChatCompletionRequest) -> str:
         """The request field that asked for `chat.requested_tokens` (named in a 400)."""
@@ -287,8 +312,8 @@ class ChatEndpoint:
         outcome = parse_outcome_header(headers.get(b"x-session-outcome"))
         if outcome is not None:  # a reward: refused whole, before the engine sees anything
             require_scope(principal, VERIFIER, "set a session outcome (X-Session-Outcome)")
-        if not body.get("model"):
-            body["model"] = settings.served_model_name or "default"
+        served = await state.models.resolve(body.get("model"))  # or 404 model_not_found
+        body["model"] = body.get("model") or "default"
         sampling = applied_sampling(body, state.upstream.sampling_defaults)
         # The prompt's size before the engine sees it (proxy/prompt_size.py): its bytes
         # alone may show that it cannot fit, else its tokens, when it might not.
@@ -306,8 +331,10 @@ class ChatEndpoint:
         else:
             prompt_bytes = prompt.nbytes if not context else min(prompt.nbytes, 4 * context)
             estimate = estimate_tokens(prompt_bytes, requested)
-        lease = state.authenticator.limits.admit(principal, estimate)
-        turn = ChatTurn(principal, body, chat, lease, began, {}, shape, sampling=sampling)
+        n = chat.n or 1  # each choice costs what one reply costs
+        lease = state.authenticator.limits.admit(principal, estimate * n)
+        turn = ChatTurn(principal, body, chat, lease, began, {}, shape, sampling=sampling,
+                        served_model=served, engine_model=state.models.engine_model())
         turn.record = None if principal.log_opt_out else new_record(
             principal, body, kind, session_ext, headers, outcome, uid=turn.uid, extra=extra)
         if turn.record is not None:
@@ -317,7 +344,9 @@ class ChatEndpoint:
                 turn.out["X-Clawrl-Session-Id"] = str(
                     explicit_session_id(principal.user_id, session_ext))
         try:
-            if chat.stream:
+            if n > 1:
+                await self._serve_choices(receive, send, choice_turns(turn, n))
+            elif chat.stream:
                 await self._serve_stream(receive, send, turn)
             else:
                 await self._serve_json(receive, send, turn)
@@ -343,8 +372,9 @@ class ChatEndpoint:
     async def _serve_json(self, receive: Receive, send: Send, turn: ChatTurn) -> None:
         """A whole reply: one engine call, the turn logged, the JSON sent."""
         upstream = self.state.upstream
-        data = await self._call_engine(receive, turn, upstream.chat)
-        reply = parse_reply(data)
+        data = await self._call_engine(receive, turn, functools.partial(
+            upstream.chat, path=self.engine_path))
+        reply = self.read_reply(data)
         self._finish(turn, reply, "ok")
         content = turn.shape.whole(turn, data, reply)
         await self._durable(turn)
@@ -353,10 +383,11 @@ class ChatEndpoint:
     async def _serve_stream(self, receive: Receive, send: Send, turn: ChatTurn) -> None:
         """A streamed reply: the engine's chunks relayed as they come; the turn is logged
         when the relay ends (or the client leaves)."""
-        stream = await self._call_engine(receive, turn, self.state.upstream.open_chat_stream)
+        stream = await self._call_engine(receive, turn, functools.partial(
+            self.state.upstream.open_chat_stream, path=self.engine_path))
         finished = False
 
-        def finish(collector: StreamCollector, status: str, error: str | None) -> None:
+        def finish(collector: Collector, status: str, error: str | None) -> None:
             nonlocal finished
             finished = True
             self._finish(turn, collector.reply(), status, error)
@@ -364,7 +395,8 @@ class ChatEndpoint:
         turn.out.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         start = {"type": "http.response.start", "status": 200,
                  "headers": _raw_headers(turn.out, _SSE, None)}
-        pieces = relay(stream, render=turn.shape.renderer(turn), finish=finish)
+        pieces = relay(stream, render=turn.shape.renderer(turn), finish=finish,
+                       collector=self.new_collector())
         durable = (functools.partial(self._durable, turn)
                    if self._sync_durability(turn) else None)
         try:
@@ -381,37 +413,66 @@ class ChatEndpoint:
 
     async def _call_engine(self, receive: Receive, turn: ChatTurn,
                            call: Callable[[dict[str, Any]], Awaitable[T]]) -> T:
-        """The engine call (`call`: a whole reply or a stream), for the user's adapter; when
-        that adapter is not in the engine (restarted, unloaded before the table caught up),
-        the base model, as for a user without one. A client that leaves or an engine that
-        fails is logged as the turn's status."""
-        adapter, stream = turn.principal.adapter, bool(turn.chat.stream)
+        """The engine call (`call`: a whole reply or a stream), cancelled when the client
+        leaves. A client that leaves or an engine that fails is logged as the turn's status."""
+        return (await self._call_engines(receive, [turn], call))[0]
+
+    async def _call_engines(self, receive: Receive, turns: list[ChatTurn],
+                            call: Callable[[dict[str, Any]], Awaitable[T]]) -> list[T]:
+        """`_call_engine` for every turn at once (a request's choices: proxy/choices.py)."""
         try:
-            try:
-                return await until_disconnect(receive, call(engine_body(
-                    turn.body, stream=stream, adapter=adapter, sampling=turn.sampling)))
-            except BadRequest as exc:
-                if adapter is None or not adapter_missing(exc, adapter):
-                    raise
-                log.warning("adapter %s not loaded in the engine; serving the base model",
-                            adapter, extra={"action": "adapter_fallback"})
-                if turn.record is not None:
-                    turn.record.adapter = turn.record.adapter_version = None
-                return await until_disconnect(
-                    receive, call(engine_body(turn.body, stream=stream, sampling=turn.sampling)))
+            return await until_disconnect(receive, gather_all(
+                [self._engine_call(turn, call) for turn in turns]))
         except ClientGone:
-            self._log(turn, "client_disconnected", "The client left before the reply was ready.")
+            for turn in turns:
+                self._log(turn, "client_disconnected",
+                          "The client left before the reply was ready.")
             raise
         except (UpstreamError, UpstreamTimeout) as exc:
-            # The engine was called: keep the failed turn (never trained), tell its id.
-            self._log(turn, "engine_error", exc.message)
-            exc.headers.update(turn.out)
+            # The engine was called: keep the failed turns (never trained), tell their ids.
+            for turn in turns:
+                self._log(turn, "engine_error", exc.message)
+            exc.headers.update(turns[0].out)
             raise
 
+    async def _engine_call(self, turn: ChatTurn,
+                           call: Callable[[dict[str, Any]], Awaitable[T]]) -> T:
+        """One engine call for the user's adapter; when that adapter is not in the engine
+        (restarted, unloaded before the table caught up), the base model, as for a user
+        without one."""
+        adapter = turn.principal.adapter
+        try:
+            return await call(self.engine_request(turn, adapter))
+        except BadRequest as exc:
+            if adapter is None or not adapter_missing(exc, adapter):
+                raise
+            log.warning("adapter %s not loaded in the engine; serving the base model",
+                        adapter, extra={"action": "adapter_fallback"})
+            if turn.record is not None:
+                turn.record.adapter = turn.record.adapter_version = None
+            return await call(self.engine_request(turn, None))
+
+    async def _serve_choices(self, receive: Receive, send: Send,
+                             turns: list[ChatTurn]) -> None:
+        """`n` > 1 (proxy/choices.py): one engine call per choice at once, each choice its
+        own turn, one reply with every choice."""
+        datas = await self._call_engines(receive, turns, self.state.upstream.chat)
+        replies = [self.read_reply(data) for data in datas]
+        used = [self._finish(turn, reply, "ok", settle=False)
+                for turn, reply in zip(turns, replies, strict=True)]
+        counted = [u for u in used if u is not None]
+        turns[0].lease.release(sum(counted) if counted else None)
+        first = turns[0]
+        content = first.shape.whole(first, merge_choices(datas), replies[0])
+        for turn in turns:
+            await self._durable(turn)
+        await send_json(send, 200, content, first.out)
+
     def _finish(self, turn: ChatTurn, reply: EngineReply, status: str,
-                error: str | None = None) -> None:
+                error: str | None = None, *, settle: bool = True) -> int | None:
         """The reply is known (whole, or the stream ended): record it, count its tokens,
-        settle the key's token estimate, log the turn."""
+        settle the key's token estimate (unless the caller settles it: `settle`), log the
+        turn. Returns the tokens the reply used (None: the engine did not say)."""
         if turn.record is not None:
             record = turn.record
             record.response_message = reply.message
@@ -421,8 +482,11 @@ class ChatEndpoint:
             record.weight_version = reply.weight_version or self.state.upstream.weight_version
         self.state.metrics.count_tokens(len(reply.prompt_ids or ()),
                                         len(reply.response_ids or ()))
-        turn.lease.release(used_tokens(reply.prompt_ids, reply.response_ids, reply.usage))
+        used = used_tokens(reply.prompt_ids, reply.response_ids, reply.usage)
+        if settle:
+            turn.lease.release(used)
         self._log(turn, status, error)
+        return used
 
     def _log(self, turn: ChatTurn, status: str, error: str | None = None) -> None:
         if turn.record is None:  # opted out of logging
@@ -459,6 +523,10 @@ class ChatTurn:
     record: TurnRecord | None = None
     # The distribution the engine samples with, every parameter explicit (proxy/sampling.py).
     sampling: dict[str, Any] | None = None
+    # The model id the client reads in the reply, and the name the engine is sent
+    # (proxy/models.py).
+    served_model: str = "default"
+    engine_model: str | None = None
 
 
 def new_record(principal: Principal, body: dict[str, Any], kind: str, session_ext: str | None,
@@ -476,6 +544,27 @@ def new_record(principal: Principal, body: dict[str, Any], kind: str, session_ex
         session_done=(headers.get(b"x-session-done") or "").strip().lower() in _TRUE,
         session_outcome=outcome, train_opt_out=principal.train_opt_out,
         adapter=principal.adapter, adapter_version=principal.adapter_version)
+
+
+def choice_turns(turn: ChatTurn, n: int) -> list[ChatTurn]:
+    """The `n` turns of a request's choices: the first is `turn` itself (its uid, its
+    response headers); each has its own body and record, in one group."""
+    group = str(uuid.uuid4())
+    turns = []
+    for index in range(n):
+        body = choice_body(turn.body, index)
+        choice = turn if index == 0 else replace(turn, uid=str(uuid.uuid4()), out={})
+        choice.body = body
+        if turn.record is not None:
+            params = dict(turn.record.params)
+            if "seed" in body:
+                params["seed"] = body["seed"]
+            choice.record = replace(turn.record, uid=choice.uid, params=params,
+                                    group_id=group, group_index=index)
+        turns.append(choice)
+    if turn.record is not None:
+        turn.out["X-Clawrl-Turn-Ids"] = ",".join(t.uid for t in turns)
+    return turns
 
 
 async def _forward(start: Message, pieces: AsyncIterator[bytes], send: Send,

@@ -1,5 +1,5 @@
-"""The proxy's FastAPI routes besides chat: models, feedback, session outcomes, health and
-metrics.
+"""The proxy's FastAPI routes besides chat: models (proxy/models.py), feedback, session
+outcomes, health and metrics.
 
 `POST /v1/chat/completions` is a bare ASGI endpoint (proxy/chat.py), the hot path, and so is
 `POST /v1/responses` (proxy/responses.py). Every
@@ -22,6 +22,8 @@ from sqlalchemy.exc import SQLAlchemyError
 from clawrl.base.db import Feedback, Turn
 from clawrl.base.errors import NotFound, PayloadTooLarge, Unavailable
 from proxy.auth import VERIFIER, Principal, require_scope
+from proxy.completions import COMPLETIONS_PATH, CompletionRequest
+from proxy.models import ModelNames
 from proxy.openai_types import (
     ChatCompletionRequest,
     FeedbackRequest,
@@ -59,17 +61,18 @@ async def _principal(request: Request) -> Principal:
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict[str, Any]:
     await _principal(request)
-    name = request.app.state.settings.proxy.served_model_name
-    if name:
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": 0, "owned_by": "clawrl"}]}
-    models: dict[str, Any] = await request.app.state.upstream.models()
-    # The engine lists loaded LoRA adapters too (`parent` set): users' personal adapters,
-    # which the proxy picks from the key and nobody else may see.
-    if isinstance(models.get("data"), list):
-        models["data"] = [m for m in models["data"]
-                          if not (isinstance(m, dict) and m.get("parent"))]
-    return models
+    names: ModelNames = request.app.state.models
+    if names.configured is None and names.upstream.model_name is None:
+        await names.upstream.model_info()  # the poll has not read the engine's name yet
+    return names.listing()
+
+
+@router.get("/v1/models/{model_id:path}")
+async def retrieve_model(request: Request, model_id: str) -> dict[str, Any]:
+    """One model by any name a request may use (proxy/models.py), or 404 `model_not_found`."""
+    await _principal(request)
+    names: ModelNames = request.app.state.models
+    return await names.card(model_id)
 
 
 @router.post("/v1/feedback")
@@ -130,12 +133,13 @@ async def post_outcome(request: Request, session_id: str) -> dict[str, Any]:
 
 def openapi_document(app: FastAPI) -> dict[str, Any]:
     """The proxy's OpenAPI document: FastAPI's routes, plus the request bodies of the bare
-    chat and responses routes, of feedback and of session outcomes (read raw, so FastAPI
+    chat, responses and completions routes, of feedback and of session outcomes (read raw, so FastAPI
     cannot describe them)."""
     doc = get_openapi(title="clawrl proxy", version="1", routes=app.routes)
     schemas = doc.setdefault("components", {}).setdefault("schemas", {})
     models: tuple[tuple[str, type[BaseModel]], ...] = (
         (CHAT_PATH, ChatCompletionRequest), (RESPONSES_PATH, ResponsesRequest),
+        (COMPLETIONS_PATH, CompletionRequest),
         ("/v1/feedback", FeedbackRequest), ("/v1/sessions/{session_id}/outcome", OutcomeRequest))
     for path, model in models:
         schema = model.model_json_schema(ref_template="#/components/schemas/{model}")

@@ -21,7 +21,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 # Label values are limited to known routes, so a scanner cannot blow up cardinality.
-ROUTES = frozenset({"/v1/chat/completions", "/v1/responses", "/v1/models", "/v1/feedback", "/healthz",
+ROUTES = frozenset({"/v1/chat/completions", "/v1/responses", "/v1/completions", "/v1/models",
+                    "/v1/feedback", "/healthz",
                     "/readyz", "/metrics"})
 
 

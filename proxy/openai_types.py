@@ -45,12 +45,21 @@ MAX_STOP_CHARS = 512
 MAX_PARAMS_BYTES = 64 * 1024
 _INT64 = 2**63 - 1
 MAX_LOGIT_BIAS = 300
+# `n`: choices per request, each its own engine request and turn (proxy/choices.py).
+MAX_CHOICES = 8
+# Fields the proxy accepts and stores but never sends to the engine (proxy/upstream.py).
+RECORDED_ONLY = ("metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
+                 "verbosity", "modalities")
+# `reasoning_effort` as the engines take it (low, medium, high; None: not sent).
+ENGINE_EFFORT: dict[str, str | None] = {"none": None, "minimal": "low", "low": "low",
+                                        "medium": "medium", "high": "high", "xhigh": "high"}
 # Sampling bounds, shared with the Responses API (proxy/responses.py).
 Temperature = Annotated[float, Field(ge=0, le=2, allow_inf_nan=False)]
 TopP = Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)]
 Penalty = Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)]
 _TokenId = Annotated[str, Field(pattern=r"^[0-9]{1,10}$")]
 _Bias = Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]
+LogitBias = Annotated[dict[_TokenId, _Bias], Field(max_length=MAX_LOGIT_BIAS)]
 
 # Fields an OpenAI client may send back inside an assistant message that mean nothing to
 # the engine: dropped (when empty) rather than refused, so resending a reply works.
@@ -140,6 +149,7 @@ class ChatMessage(_Strict):
 
 class StreamOptions(_Strict):
     include_usage: bool | None = None
+    include_obfuscation: bool | None = None  # accepted and stored; the proxy never pads
 
 
 class FunctionDef(_Strict):
@@ -162,7 +172,7 @@ class ChatCompletionRequest(_Strict):
     tools: list[Tool] | None = Field(default=None, max_length=128)
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    n: int | None = Field(default=None, ge=1, le=1)
+    n: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     max_tokens: int | None = Field(default=None, ge=1, le=_INT64)
@@ -172,12 +182,22 @@ class ChatCompletionRequest(_Strict):
     top_k: int | None = Field(default=None, ge=-1, le=1_000_000)
     frequency_penalty: Penalty | None = None
     presence_penalty: Penalty | None = None
-    logit_bias: dict[_TokenId, _Bias] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
+    logit_bias: LogitBias | None = None
     response_format: dict[str, Any] | None = None
-    reasoning_effort: Literal["low", "medium", "high"] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     stop: str | list[str] | None = None
     seed: int | None = Field(default=None, ge=-_INT64 - 1, le=_INT64)
     user: str | None = Field(default=None, max_length=256)
+    # Accepted as the OpenAI API accepts them and stored with the turn (`turns.params`),
+    # never sent to the engine (`RECORDED_ONLY`): they mean nothing to a local model.
+    metadata: dict[str, Annotated[str, Field(max_length=512)]] | None = Field(
+        default=None, max_length=16)
+    store: bool | None = None
+    service_tier: str | None = Field(default=None, max_length=64)
+    prompt_cache_key: str | None = Field(default=None, max_length=1024)
+    safety_identifier: str | None = Field(default=None, max_length=256)
+    verbosity: Literal["low", "medium", "high"] | None = None
+    modalities: list[Literal["text"]] | None = Field(default=None, max_length=1)
 
     @field_validator("top_k")
     @classmethod
@@ -295,6 +315,9 @@ def validate_chat_body(body: dict[str, Any]) -> ChatCompletionRequest:
         message, param, code = describe_error(exc)
         raise BadRequest(message, code=code, param=param) from exc
     _check_arguments(request)
+    if (request.n or 1) > 1 and request.stream:
+        raise BadRequest("Unsupported value: 'n' > 1 is served whole only; set 'stream' to "
+                         "false, or 'n' to 1.", param="n", code="unsupported_value")
     params = {k: v for k, v in body.items() if k not in ("messages", "tools")}
     if len(orjson.dumps(params)) > MAX_PARAMS_BYTES:
         raise BadRequest(f"The request's parameters (all but 'messages' and 'tools') exceed "

@@ -57,6 +57,10 @@ class TurnRecord:
     # journal lines written before it was recorded.
     sampling: dict[str, Any] | None = None
     finish_reason: str | None = None
+    # The choices of one request with `n` > 1: the request's group id and this choice's
+    # index (None for a single reply).
+    group_id: str | None = None
+    group_index: int | None = None
     status: str = "ok"  # 'ok', 'client_disconnected', 'engine_error'
     error: str | None = None
     latency_ms: float | None = None
@@ -88,6 +92,8 @@ class TurnRecord:
             "weight_version": self.weight_version, "finish_reason": self.finish_reason,
             "adapter": self.adapter, "adapter_version": self.adapter_version,
             "sampling": self.sampling,
+            "group_id": uuid.UUID(self.group_id) if self.group_id else None,
+            "group_index": self.group_index,
             "status": self.status, "error": self.error, "latency_ms": self.latency_ms,
             "created_at": dt.datetime.fromisoformat(self.created_at),
         }

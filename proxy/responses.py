@@ -437,7 +437,7 @@ class ResponsesShape:
                                    else None),
             "instructions": request.instructions,
             "max_output_tokens": request.max_output_tokens,
-            "model": turn.body.get("model"), "output": output,
+            "model": turn.served_model, "output": output,
             "parallel_tool_calls": request.parallel_tool_calls is not False,
             "previous_response_id": None,
             "reasoning": {"effort": effort, "summary": None},

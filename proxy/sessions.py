@@ -30,6 +30,22 @@ Explicit sessions (`X-Session-Id`) attach by id: when no prefix matches (the cli
 its history, or sends only the new message), the request continues the session's latest
 open main turn, with the messages after its last assistant message as the next state.
 
+An `X-Session-Id` that first appears on a later request of a conversation (a client that
+sends it from its second turn on) adopts the inferred session the request continues: that
+session's turns move to the explicit session (`_adopt_session`), so the conversation stays
+one session. Only a session with no explicit id is adopted, and only by an explicit session
+that has no turns yet.
+
+`X-Session-Done` ends a session for good (`sessions.done_at`): a later request naming the
+same `X-Session-Id` is stored in it, closed, continuing nothing (never judged by a next
+state), and the session stays closed. A session closed by the timeout is reopened by its
+next request.
+
+The choices of one request with `n` > 1 are one turn each (`turns.group_id`, the request's
+group, and `group_index`); the first choice is stored as any turn is, and the others join
+its session at the same index without continuing anything again (the turn they all continue
+is continued once, by the first choice).
+
 What is not tolerated (each starts a new session unless `X-Session-Id` names it): history
 rewritten by the client (a compaction that replaces the conversation by its summary, an
 edited earlier message), and a reply the client changed before replaying it.
@@ -56,7 +72,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import Table, bindparam, func, or_, select, text, update
+from sqlalchemy import Table, bindparam, case, delete, func, null, or_, select, text, update
 from sqlalchemy.dialects.postgresql import BYTEA, JSONB
 from sqlalchemy.dialects.postgresql import UUID as PG_UUID
 from sqlalchemy.dialects.postgresql import insert as pg_insert
@@ -207,18 +223,29 @@ _CONTINUE = (update(_TURNS).where(_TURNS.c.id == bindparam("matched_id"))
                      next_turn_id=bindparam("new_id"), next_state_at=func.now()))
 
 
+# An open turn of an inferred session (no `X-Session-Id`), for an explicit session to adopt.
+_MATCH_INFERRED = _MATCH.where(Turn.session_id.in_(
+    select(ChatSession.id).where(ChatSession.user_id == bindparam("user_id"),
+                                 ChatSession.external_id.is_(None))))
+_HAS_TURNS = select(Turn.id).where(Turn.session_id == bindparam("session_id")).limit(1)
+
+
 async def _find_continued(conn: AsyncConnection, rec: TurnRecord, session_id: uuid.UUID | None,
                           include_system: bool) -> tuple[Any, int] | None:
     """The open turn this request continues and the length of the request's messages that
-    turn already holds (the next state is what follows), if any."""
+    turn already holds (the next state is what follows), if any. For an explicit session
+    with no turns yet, the turn may be one of an inferred session (the caller adopts it)."""
     prefixes = prefix_fingerprints(rec.request_messages, include_system=include_system)
     row = None
     if prefixes:
         query = _MATCH
         if session_id is not None:  # an explicit session only continues its own turns
             query = query.where(Turn.session_id == session_id)
-        row = (await conn.execute(query, {"user_id": rec.user_id,
-                                          "fps": [fp for _, fp in prefixes]})).first()
+        fps = {"user_id": rec.user_id, "fps": [fp for _, fp in prefixes]}
+        row = (await conn.execute(query, fps)).first()
+        if row is None and session_id is not None and (
+                await conn.execute(_HAS_TURNS, {"session_id": session_id})).first() is None:
+            row = (await conn.execute(_MATCH_INFERRED, fps)).first()
     if row is not None:
         length = next(n for n, fp in prefixes
                       if fp in (row.context_fingerprint, row.conversation_fingerprint))
@@ -237,18 +264,24 @@ async def _find_continued(conn: AsyncConnection, rec: TurnRecord, session_id: uu
 
 
 def _session_upsert(done: bool, outcome: bool) -> Any:
-    """Create the session, or bump its `last_turn_at` (closing it when `done`, setting its
-    outcome from the `X-Session-Outcome` header when `outcome`)."""
-    closed_at = func.now() if done else None
-    values: dict[str, Any] = {"closed_at": closed_at}
+    """Create the session, or bump its `last_turn_at` (closing it for good when `done`,
+    reopening it otherwise unless the client ended it, setting its outcome from the
+    `X-Session-Outcome` header when `outcome`)."""
+    closed_at = func.now() if done else null()
+    values: dict[str, Any] = {}
     if outcome:
         values |= {"outcome": bindparam("outcome"), "outcome_source": "header",
                    "outcome_key_id": bindparam("outcome_key_id"), "outcome_at": func.now()}
+    ended = _SESSIONS.c.done_at.is_not(None)
     return (pg_insert(_SESSIONS)
             .values(id=bindparam("session_id"), user_id=bindparam("owner_id"),
-                    external_id=bindparam("external_id"), **values)
-            .on_conflict_do_update(index_elements=[_SESSIONS.c.id],
-                                   set_={"last_turn_at": func.now(), **values}))
+                    external_id=bindparam("external_id"), closed_at=closed_at,
+                    done_at=func.now() if done else null(), **values)
+            .on_conflict_do_update(index_elements=[_SESSIONS.c.id], set_={
+                "last_turn_at": func.now(),
+                "closed_at": case((ended, _SESSIONS.c.closed_at), else_=closed_at),
+                "done_at": func.coalesce(_SESSIONS.c.done_at, func.now() if done else null()),
+                **values}))
 
 
 _SESSIONS: Table = ChatSession.__table__  # type: ignore[assignment]
@@ -327,6 +360,32 @@ async def set_outcome(conn: AsyncConnection, *, user_id: int, ref: str, outcome:
     return session_id
 
 
+_ENDED = select(ChatSession.done_at).where(ChatSession.id == bindparam("session_id"))
+_SIBLING = (select(_TURNS.c.session_id, _TURNS.c.index_in_session)
+            .where(_TURNS.c.group_id == bindparam("group_id", type_=PG_UUID(as_uuid=True)))
+            .order_by(_TURNS.c.group_index).limit(1))
+# An explicit session adopting an inferred one: its outcome when it has none, the earlier
+# start, then the turns; the inferred session's row goes last (its turns have moved).
+_ADOPT_SESSION = text("""
+UPDATE sessions e SET created_at = least(e.created_at, i.created_at),
+       outcome = coalesce(e.outcome, i.outcome),
+       outcome_source = CASE WHEN e.outcome IS NULL THEN i.outcome_source ELSE e.outcome_source END,
+       outcome_key_id = CASE WHEN e.outcome IS NULL THEN i.outcome_key_id ELSE e.outcome_key_id END,
+       outcome_at = CASE WHEN e.outcome IS NULL THEN i.outcome_at ELSE e.outcome_at END
+FROM sessions i WHERE e.id = :into AND i.id = :from
+""")
+
+
+async def _adopt_session(conn: AsyncConnection, rec: TurnRecord, inferred: uuid.UUID,
+                         explicit: uuid.UUID) -> None:
+    """Move the inferred session's turns (and its outcome) into the explicit session."""
+    await _upsert_session(conn, rec, explicit, rec.session_external_id)
+    await conn.execute(_ADOPT_SESSION, {"into": explicit, "from": inferred})
+    await conn.execute(update(Turn).where(Turn.session_id == inferred)
+                       .values(session_id=explicit))
+    await conn.execute(delete(ChatSession).where(ChatSession.id == inferred))
+
+
 async def _next_index(conn: AsyncConnection, session_id: uuid.UUID) -> int:
     last = (await conn.execute(select(func.max(Turn.index_in_session))
                                .where(Turn.session_id == session_id))).scalar()
@@ -372,10 +431,25 @@ async def _record_turn(conn: AsyncConnection, rec: TurnRecord, include_system: b
     explicit = (explicit_session_id(rec.user_id, rec.session_external_id)
                 if rec.session_external_id else None)
     main_ok = rec.kind == "main" and rec.status == "ok"
-    continued = await _find_continued(conn, rec, explicit, include_system) if main_ok else None
-    if continued is not None:
+    # The client ended this explicit session earlier: the turn is stored closed in it.
+    ended = explicit is not None and (await conn.execute(
+        _ENDED, {"session_id": explicit})).scalar() is not None
+    sibling = None
+    if rec.group_id is not None and rec.group_index:  # a later choice joins the first's place
+        sibling = (await conn.execute(_SIBLING, {"group_id": uuid.UUID(rec.group_id)})).first()
+        if sibling is not None and sibling.session_id is None:
+            sibling = None
+    continued = (await _find_continued(conn, rec, explicit, include_system)
+                 if main_ok and not ended and sibling is None else None)
+    if sibling is not None:
+        session_id: uuid.UUID | None = sibling.session_id
+        index = int(sibling.index_in_session)
+    elif continued is not None:
         matched, prefix_len = continued
-        session_id: uuid.UUID | None = matched.session_id
+        session_id = matched.session_id
+        if explicit is not None and session_id != explicit:
+            await _adopt_session(conn, rec, matched.session_id, explicit)
+            session_id = explicit
         index = int(matched.index_in_session) + 1
     elif explicit is not None:
         session_id, index = explicit, -1
@@ -401,7 +475,7 @@ async def _record_turn(conn: AsyncConnection, rec: TurnRecord, include_system: b
         kept = conversation_messages(rec.request_messages)
         if kept is not None:
             conversation = context_fingerprint(kept, reply, include_system=include_system)
-    state = "open" if main_ok and not rec.session_done else "closed"
+    state = "open" if main_ok and not rec.session_done and not ended else "closed"
     new_id = (await conn.execute(_INSERT_TURN, {
         **rec.row(), "session_id": session_id, "index_in_session": index,
         "context_fingerprint": fingerprint, "conversation_fingerprint": conversation,

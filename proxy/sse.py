@@ -133,18 +133,33 @@ def _engine_error(chunk: dict[str, Any]) -> ClawrlError | None:
     return None
 
 
-def client_chunk(chunk: dict[str, Any], *, wants_logprobs: bool) -> bytes | None:
-    """The SSE event to forward for an engine chunk, or None when it is proxy-only."""
+def client_chunk(chunk: dict[str, Any], *, wants_logprobs: bool,
+                 model: str | None = None) -> bytes | None:
+    """The SSE event to forward for an engine chunk, or None when it is proxy-only;
+    `model`: the id the client reads in place of the engine's name."""
     if chunk.pop("sglext", None) is not None and not chunk.get("choices") \
             and not chunk.get("usage"):
         return None
+    if model is not None and "model" in chunk:
+        chunk["model"] = model
     if not wants_logprobs:
         for choice in chunk.get("choices") or []:
             choice["logprobs"] = None
     return b"data: " + orjson.dumps(chunk) + b"\n\n"
 
 
-Finish = Callable[[StreamCollector, str, str | None], None]
+class Collector(Protocol):
+    """What collects a streamed reply for the turn log: chat chunks (`StreamCollector`), or
+    another engine route's (proxy/completions.py)."""
+
+    finish_reason: str | None
+
+    def add(self, chunk: dict[str, Any]) -> None: ...
+
+    def reply(self) -> EngineReply: ...
+
+
+Finish = Callable[[Any, str, str | None], None]
 
 
 class Last(bytes):
@@ -163,7 +178,7 @@ class Renderer(Protocol):
         """The piece for one engine chunk (already added to the collector), or None."""
         ...
 
-    def end(self, collector: StreamCollector, failure: ClawrlError | None) -> bytes:
+    def end(self, collector: Any, failure: ClawrlError | None) -> bytes:
         """The closing piece: the reply is complete (`failure` None) or failed."""
         ...
 
@@ -174,22 +189,23 @@ class ChatRenderer:
     for, then `[DONE]` (after one error event when the stream failed)."""
 
     wants_logprobs: bool = False
+    model: str | None = None
 
     def start(self) -> bytes:
         return b""
 
     def chunk(self, chunk: dict[str, Any]) -> bytes | None:
-        return client_chunk(chunk, wants_logprobs=self.wants_logprobs)
+        return client_chunk(chunk, wants_logprobs=self.wants_logprobs, model=self.model)
 
     def end(self, collector: StreamCollector, failure: ClawrlError | None) -> bytes:
         return DONE if failure is None else error_event(failure) + DONE
 
 
 async def relay(upstream: ChatStream, *, render: Renderer, finish: Finish,
-                ) -> AsyncIterator[bytes]:
+                collector: Collector | None = None) -> AsyncIterator[bytes]:
     """Forward an open engine stream as `render` shapes it; the last piece is a `Last`;
-    `finish(collector, status, error)` runs exactly once."""
-    collector = StreamCollector()
+    `finish(collector, status, error)` runs exactly once (`collector`: chat chunks')."""
+    collector = collector if collector is not None else StreamCollector()
     status, error = "client_disconnected", None
     try:
         first = render.start()

@@ -26,6 +26,7 @@ import orjson
 from clawrl.base.errors import BadRequest, ClawrlError, UpstreamError, UpstreamTimeout
 from clawrl.base.settings import EngineSettings
 from proxy.engine_http import EnginePool, EngineResponse
+from proxy.openai_types import ENGINE_EFFORT, RECORDED_ONLY
 from proxy.sampling import engine_fields, parse_defaults
 
 CHAT_PATH = "/v1/chat/completions"
@@ -49,21 +50,35 @@ def create_client(settings: EngineSettings,
 
 
 def engine_body(body: dict[str, Any], *, stream: bool, adapter: str | None = None,
-                sampling: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The client's body with the fields that return exact token ids and logprobs, the
+                sampling: dict[str, Any] | None = None,
+                model: str | None = None) -> dict[str, Any]:
+    """The client's body (minus what is only stored: `RECORDED_ONLY`, `reasoning_effort` as
+    the engines take it) with the fields that return exact token ids and logprobs, the
     user's LoRA adapter (`lora_path`, SGLang's field) when they have one, and every sampling
     parameter explicit (`sampling`: proxy/sampling.py `applied_sampling`), so the engine's
-    own defaults never change the distribution the turn records.
+    own defaults never change the distribution the turn records; `model`: the engine's own
+    name for the model, in place of the client's (proxy/models.py).
 
     `model: "base:adapter"` picks an adapter on SGLang (and `clawrl engine`), so a client's
     model name keeps only what comes before a ':' — the proxy alone chooses adapters, from
     the API key's user, and nobody can name another user's."""
-    out = dict(body)
+    out = {k: v for k, v in body.items() if k not in RECORDED_ONLY}
+    if isinstance(out.get("stream_options"), dict):
+        out["stream_options"] = {k: v for k, v in out["stream_options"].items()
+                                 if k != "include_obfuscation"}
+    if isinstance(out.get("reasoning_effort"), str):
+        effort = ENGINE_EFFORT.get(out["reasoning_effort"])
+        if effort is None:
+            del out["reasoning_effort"]
+        else:
+            out["reasoning_effort"] = effort
     if sampling is not None:
         out.update(engine_fields(sampling))
-    model = out.get("model")
-    if isinstance(model, str) and ":" in model:
-        out["model"] = model.split(":", 1)[0] or "default"
+    if model is not None:  # the engine's own name (proxy/models.py)
+        out["model"] = model
+    name = out.get("model")
+    if isinstance(name, str) and ":" in name:
+        out["model"] = name.split(":", 1)[0] or "default"
     if adapter is not None:
         out["lora_path"] = adapter
     out["logprobs"] = True
@@ -210,23 +225,26 @@ class Upstream:
         # The engine's sampling defaults (proxy/sampling.py), from /model_info; None until
         # the poll first reads it (a chat never waits for it: see proxy/sampling.py).
         self.sampling_defaults: dict[str, float] | None = None
+        # The engine's own model name (`served_model_name`, else `model_path`), from
+        # /model_info; None until read (proxy/models.py).
+        self.model_name: str | None = None
 
     async def aclose(self) -> None:
         if self.pool is not None:
             await self.pool.aclose()
         await self.client.aclose()
 
-    async def chat(self, body: dict[str, Any]) -> dict[str, Any]:
+    async def chat(self, body: dict[str, Any], path: str = CHAT_PATH) -> dict[str, Any]:
+        """A whole reply from the engine's chat route (or `path`: `/generate`)."""
         try:
             if self.pool is not None:
-                response = await self.pool.post(CHAT_PATH, orjson.dumps(body))
+                response = await self.pool.post(path, orjson.dumps(body))
                 try:
                     status, content = response.status_code, await response.aread()
                 finally:  # a no-op after a complete read; else the connection is dropped
                     await response.aclose()
             else:
-                reply = await self.client.post(CHAT_PATH, content=orjson.dumps(body),
-                                               headers=_JSON)
+                reply = await self.client.post(path, content=orjson.dumps(body), headers=_JSON)
                 status, content = reply.status_code, reply.content
         except httpx.HTTPError as exc:
             raise translate(exc) from exc
@@ -240,14 +258,15 @@ class Upstream:
             raise UpstreamError("The engine answered with an unexpected JSON shape.")
         return data
 
-    async def open_chat_stream(self, body: dict[str, Any]) -> ChatStream:
-        """Send a streaming request; the caller owns (and must close) the response."""
+    async def open_chat_stream(self, body: dict[str, Any], path: str = CHAT_PATH) -> ChatStream:
+        """Send a streaming request (to the chat route, or `path`); the caller owns (and must
+        close) the response."""
         response: EngineResponse | httpx.Response
         try:
             if self.pool is not None:
-                response = await self.pool.post(CHAT_PATH, orjson.dumps(body))
+                response = await self.pool.post(path, orjson.dumps(body))
             else:
-                request = self.client.build_request("POST", CHAT_PATH,
+                request = self.client.build_request("POST", path,
                                                     content=orjson.dumps(body), headers=_JSON)
                 response = await self.client.send(request, stream=True)
         except httpx.HTTPError as exc:
@@ -262,22 +281,6 @@ class Upstream:
             raise error_for_status(response.status_code, content)
         return response
 
-    async def models(self) -> dict[str, Any]:
-        """The engine's model list (`/v1/models`, or built from `/model_info`)."""
-        try:
-            response = await self.client.get("/v1/models")
-            if response.status_code == 404:
-                info = await self.model_info()
-                name = info.get("served_model_name") or info.get("model_path") or "default"
-                return {"object": "list", "data": [
-                    {"id": name, "object": "model", "created": 0, "owned_by": "clawrl"}]}
-        except httpx.HTTPError as exc:
-            raise translate(exc) from exc
-        if response.status_code != 200:
-            raise error_for_status(response.status_code, response.content)
-        data: dict[str, Any] = response.json()
-        return data
-
     async def model_info(self) -> dict[str, Any]:
         try:
             response = await self.client.get("/model_info")
@@ -287,6 +290,9 @@ class Upstream:
             raise error_for_status(response.status_code, response.content)
         info: dict[str, Any] = response.json()
         self.weight_version = _version(info.get("weight_version"))
+        name = info.get("served_model_name") or info.get("model_path")
+        if isinstance(name, str) and name:
+            self.model_name = name
         self.sampling_defaults = parse_defaults(info.get("preferred_sampling_params"))
         context = info.get("context_length") or info.get("max_model_len")
         if isinstance(context, int) and context > 0:

@@ -202,7 +202,7 @@ def chunk(content: str | None = None, finish: str | None = None,
     logprobs = None if logprob is None else {"content": [
         {"token": content, "logprob": logprob, "bytes": [], "top_logprobs": []}]}
     return {"id": "chatcmpl-x", "object": "chat.completion.chunk", "created": 0,
-            "model": "m", "choices": [{"index": 0, "delta": delta, "logprobs": logprobs,
+            "model": "default", "choices": [{"index": 0, "delta": delta, "logprobs": logprobs,
                                        "finish_reason": finish}]}
 
 

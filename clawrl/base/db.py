@@ -100,6 +100,10 @@ class ChatSession(Base):
     last_turn_at: Mapped[dt.datetime] = _now()
     # Set by `X-Session-Done` or the session timeout.
     closed_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+    # Set by `X-Session-Done` only: the client ended the session, so it stays closed (a later
+    # request naming it is stored closed, continuing nothing; proxy/sessions.py). A session
+    # closed by the timeout is reopened by its next request.
+    done_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
     # A verifier's outcome in [-1, 1] (`POST /v1/sessions/{id}/outcome` or the
     # `X-Session-Outcome` header; the last one wins), mixed by the trainer into the reward
     # of every sample of the session it claims afterwards (docs/trainer.md).
@@ -140,12 +144,18 @@ class Turn(Base):
     # (proxy/turnkinds.py), or NULL: a main turn by default.
     kind_reason: Mapped[str | None] = mapped_column(String(32))
     request_messages: Mapped[Any] = mapped_column(JSONB)
-    tools: Mapped[Any | None] = mapped_column(JSONB)
+    # Nullable JSONB columns store Python None as SQL NULL (`none_as_null`), never JSON null.
+    tools: Mapped[Any | None] = mapped_column(JSONB(none_as_null=True))
     params: Mapped[Any] = mapped_column(JSONB, server_default=text("'{}'::jsonb"))
     # The sampling distribution the reply was drawn from, as the engine applied it
     # (the request's parameters over the model's defaults); NULL on turns before 0011.
-    sampling: Mapped[Any | None] = mapped_column(JSONB)
-    response_message: Mapped[Any | None] = mapped_column(JSONB)
+    sampling: Mapped[Any | None] = mapped_column(JSONB(none_as_null=True))
+    response_message: Mapped[Any | None] = mapped_column(JSONB(none_as_null=True))
+    # The choices of one request with `n` > 1 (migration 0013): each is its own turn, with the
+    # request's group id and its choice index; NULL for a single reply. A group baseline can
+    # compare the rewards of the replies sampled for one prompt.
+    group_id: Mapped[uuid.UUID | None] = mapped_column(UUID(as_uuid=True))
+    group_index: Mapped[int | None] = mapped_column(SmallInteger)
     prompt_ids: Mapped[list[int] | None] = mapped_column(IntArray)
     response_ids: Mapped[list[int] | None] = mapped_column(IntArray)
     response_logprobs: Mapped[list[float] | None] = mapped_column(FloatArray)
@@ -166,7 +176,7 @@ class Turn(Base):
     state: Mapped[str] = mapped_column(String(16), server_default=text("'open'"))
     # Messages that followed this turn (user message, tool results), attached by the
     # request that continued it, in the same transaction that recorded that request.
-    next_state: Mapped[Any | None] = mapped_column(JSONB)
+    next_state: Mapped[Any | None] = mapped_column(JSONB(none_as_null=True))
     next_turn_id: Mapped[int | None] = mapped_column(BigInteger)
     next_state_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
 
@@ -180,6 +190,7 @@ class Turn(Base):
         # The console's filters (migration 0005): a version's turns newest first, a time range.
         Index("ix_turns_version_id", "weight_version", "id"),
         Index("ix_turns_created_at", "created_at"),
+        Index("ix_turns_group_id", "group_id", postgresql_where=text("group_id IS NOT NULL")),
     )
 
 

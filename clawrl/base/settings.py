@@ -63,7 +63,11 @@ class ProxySettings(BaseModel):
     # Turns served but not yet stored: past this many, queued turns spill to the journal
     # and /readyz answers 503.
     turn_backlog_max: int = 10_000
+    # The model id clients see; unset: the engine's name (a path shown as its last folder).
     served_model_name: str | None = None
+    # Other names that reach the served model (`{"gpt-4o-mini": "default"}`), for apps that
+    # hard-code one; any name neither served nor aliased is a 404 `model_not_found`.
+    model_aliases: dict[str, str] = {}
     # `max_tokens` above this is refused; unset: the engine's context length (/model_info).
     max_context_tokens: int | None = None
     # Engine fairness before the body and the engine (proxy/app.py, proxy/prompt_size.py).

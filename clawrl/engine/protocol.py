@@ -147,6 +147,8 @@ class GenerateRequest(BaseModel):
     logprob_start_len: int = -1
     top_logprobs_num: int = Field(default=0, ge=0)
     return_text_in_logprobs: bool = False
+    # SGLang's field: the prompt's token ids as `prompt_token_ids` (the proxy's completions).
+    return_prompt_token_ids: bool = False
     stream: bool = False
     rid: str | None = None
     lora_path: str | list[str | None] | None = None  # adapter name(s), one per prompt

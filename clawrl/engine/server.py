@@ -342,8 +342,11 @@ def _generate_body(engine: Engine, req: GenerateRequest, seq: Sequence,
                 None if row is None else [[lp, t, None] for lp, t in row] for row in seq.input_top]
             meta["output_top_logprobs"] = [[[lp, t, None] for lp, t in row]
                                            for row in seq.output_top[:n]]
-    return {"text": chat.visible_text(engine, seq, final=seq.finish is not None),
+    body = {"text": chat.visible_text(engine, seq, final=seq.finish is not None),
             "output_ids": list(seq.output_ids[:n]), "meta_info": meta}
+    if req.return_prompt_token_ids:
+        body["prompt_token_ids"] = list(seq.input_ids)
+    return body
 
 
 async def _generate_stream(engine: Engine, req: GenerateRequest, seq: Sequence,

@@ -92,11 +92,11 @@ async def test_the_console_in_a_browser(
             messages: list[dict[str, Any]] = [{"role": "user", "content": "hello there"}]
             # (common stop strings end the random model's reply early, so the judge does
             # not skip it as cut off by the length limit)
-            first = await chat.chat.completions.create(model="tiny", messages=messages,  # type: ignore[arg-type]
+            first = await chat.chat.completions.create(model="default", messages=messages,  # type: ignore[arg-type]
                                                        max_tokens=48, stop=STOP)
             messages += [{"role": "assistant", "content": first.choices[0].message.content},
                          {"role": "user", "content": "no, say it in French"}]
-            await chat.chat.completions.create(model="tiny", messages=messages,  # type: ignore[arg-type]
+            await chat.chat.completions.create(model="default", messages=messages,  # type: ignore[arg-type]
                                                max_tokens=8)
             # The list swaps the new turns in by itself (server-sent events).
             await expect(page.locator("#turns tr[data-turn]")).to_have_count(2)
@@ -157,7 +157,7 @@ async def test_the_console_in_a_browser(
             assert info["weight_version"] == "1"
             await page.screenshot(path=str(shots / "versions.png"), full_page=True)
             reply = await chat.chat.completions.with_raw_response.create(
-                model="tiny", messages=[{"role": "user", "content": "after the rollback"}],
+                model="default", messages=[{"role": "user", "content": "after the rollback"}],
                 max_tokens=4)
             assert reply.http_response.status_code == 200
             await page.goto(f"{console.url}/console/turns?version=1")

@@ -109,13 +109,13 @@ async def test_chat_follow_up_judgment_step_publish_next_turn_has_new_version(
             running_judge(db_url, engine_url), \
             httpx.AsyncClient(base_url=proxy_url, timeout=120, headers=headers) as client:
         r1 = await client.post("/v1/chat/completions", json={
-            "model": "tiny", "messages": first, "max_tokens": 48, "stop": STOP})
+            "model": "default", "messages": first, "max_tokens": 48, "stop": STOP})
         assert r1.status_code == 200 and r1.json()["choices"][0]["finish_reason"] == "stop"
         follow = [*first, {"role": "assistant",
                            "content": r1.json()["choices"][0]["message"]["content"]},
                   {"role": "user", "content": "too long. answer in lowercase please"}]
         r2 = await client.post("/v1/chat/completions", json={
-            "model": "tiny", "messages": follow, "max_tokens": 8})
+            "model": "default", "messages": follow, "max_tokens": 8})
         assert r2.status_code == 200
         await wait_for(lambda: bool(rows(db, "SELECT 1 FROM samples")))
 
@@ -126,7 +126,7 @@ async def test_chat_follow_up_judgment_step_publish_next_turn_has_new_version(
         assert await asyncio.to_thread(train, cfg, once=True) == 1
 
         r3 = await client.post("/v1/chat/completions", json={
-            "model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
+            "model": "default", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
         assert r3.status_code == 200
         await wait_for(lambda: len(rows(db, "SELECT 1 FROM turns")) == 3, 30)
 
@@ -161,7 +161,7 @@ async def test_streams_across_a_swap_all_complete_and_are_stored(
         async with client.stream("POST", "/v1/chat/completions", json={
                 # Greedy: deterministic text (random sampling from the untrained model can
                 # emit a NUL character, which the proxy cannot store yet: see status-H4.md).
-                "model": "tiny", "stream": True, "max_tokens": 24, "temperature": 0,
+                "model": "default", "stream": True, "max_tokens": 24, "temperature": 0,
                 "messages": [{"role": "user", "content": "Tell me about Ada"}]}) as resp:
             assert resp.status_code == 200, await resp.aread()
             async for line in resp.aiter_lines():

@@ -49,7 +49,7 @@ async def chat_two_turns(proxy_url: str, key: str) -> dict[str, Any]:
     async with httpx.AsyncClient(base_url=proxy_url, timeout=120,
                                  headers={"Authorization": f"Bearer {key}"}) as client:
         r1 = await client.post("/v1/chat/completions", json={
-            "model": "tiny", "messages": first, "max_tokens": 48, "stop": STOP})
+            "model": "default", "messages": first, "max_tokens": 48, "stop": STOP})
         assert r1.status_code == 200, r1.text
         reply = r1.json()["choices"][0]["message"]
         turn_uid = r1.headers["X-Clawrl-Turn-Id"]
@@ -59,7 +59,7 @@ async def chat_two_turns(proxy_url: str, key: str) -> dict[str, Any]:
         follow = [*first, {"role": "assistant", "content": reply["content"]},
                   {"role": "user", "content": "too long. answer in lowercase please"}]
         r2 = await client.post("/v1/chat/completions", json={
-            "model": "tiny", "messages": follow, "max_tokens": 12})
+            "model": "default", "messages": follow, "max_tokens": 12})
         assert r1.json()["choices"][0]["finish_reason"] == "stop"
         assert r2.status_code == 200, r2.text
     return {"uid": turn_uid, "request": first}

@@ -39,7 +39,7 @@ class NoJudge:
 async def ask(http: httpx.AsyncClient, messages: list[Any], **headers: str) -> dict[str, Any]:
     """One chat request; the reply message (finished by a stop string, not the length)."""
     response = await http.post("/v1/chat/completions", headers=headers, json={
-        "model": "tiny", "messages": messages, "max_tokens": 48, "stop": STOP})
+        "model": "default", "messages": messages, "max_tokens": 48, "stop": STOP})
     assert response.status_code == 200, response.text
     choice = response.json()["choices"][0]
     assert choice["finish_reason"] == "stop", choice

@@ -25,7 +25,7 @@ def adapter_dirs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory)
 
 
 def direct_ids(engine_url: str, lora: str | None) -> list[int]:
-    body = {"model": "m", "messages": MESSAGES, "return_token_ids": True, "lora_path": lora,
+    body = {"model": "default", "messages": MESSAGES, "return_token_ids": True, "lora_path": lora,
             **GREEDY}
     r = httpx.post(f"{engine_url}/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 200, r.text

@@ -430,7 +430,7 @@ async def test_keys_from_the_admin_api_work_on_the_chat_route(proxy_factory: Any
     """Issue, rate-limit and revoke a key over /admin on the running proxy (no engine needed:
     an authenticated chat request then fails at the engine, 502)."""
     proxy = await proxy_factory("http://127.0.0.1:9", admin_key="sekrit-admin-key-0123")
-    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    chat = {"model": "default", "messages": [{"role": "user", "content": "hi"}]}
     async with httpx.AsyncClient(base_url=proxy.url, timeout=30) as c:
         admin_headers = {"authorization": "Bearer sekrit-admin-key-0123"}
         assert (await c.post("/admin/users", json={"name": "ivy"},

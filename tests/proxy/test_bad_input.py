@@ -27,22 +27,23 @@ def assert_openai_error(response: httpx.Response, status: int, code: str | None 
 BAD_BODIES: list[tuple[str, Any, str]] = [
     ("malformed json", b'{"messages": [', "invalid_json"),
     ("not an object", b"[1, 2]", "invalid_json"),
-    ("missing messages", {"model": "m"}, "invalid_request"),
-    ("empty messages", {"model": "m", "messages": []}, "invalid_request"),
-    ("messages not a list", {"model": "m", "messages": "hi"}, "invalid_request"),
-    ("unknown role", {"model": "m", "messages": [{"role": "wizard", "content": "x"}]},
+    ("missing messages", {"model": "default"}, "invalid_request"),
+    ("empty messages", {"model": "default", "messages": []}, "invalid_request"),
+    ("messages not a list", {"model": "default", "messages": "hi"}, "invalid_request"),
+    ("unknown role", {"model": "default", "messages": [{"role": "wizard", "content": "x"}]},
      "invalid_request"),
-    ("missing role", {"model": "m", "messages": [{"content": "x"}]}, "invalid_request"),
-    ("content wrong type", {"model": "m", "messages": [{"role": "user", "content": 5}]},
+    ("missing role", {"model": "default", "messages": [{"content": "x"}]}, "invalid_request"),
+    ("content wrong type", {"model": "default", "messages": [{"role": "user", "content": 5}]},
      "invalid_request"),
-    ("user without content", {"model": "m", "messages": [{"role": "user"}]},
+    ("user without content", {"model": "default", "messages": [{"role": "user"}]},
      "invalid_request"),
-    ("temperature wrong type", {"model": "m", "messages": OK_MESSAGES, "temperature": "hot"},
+    ("temperature wrong type", {"model": "default", "messages": OK_MESSAGES, "temperature": "hot"},
      "invalid_request"),
-    ("stream wrong type", {"model": "m", "messages": OK_MESSAGES, "stream": "yes"},
+    ("stream wrong type", {"model": "default", "messages": OK_MESSAGES, "stream": "yes"},
      "invalid_request"),
-    ("n above one", {"model": "m", "messages": OK_MESSAGES, "n": 3}, "invalid_request"),
-    ("tools wrong shape", {"model": "m", "messages": OK_MESSAGES, "tools": [{"type": 1}]},
+    ("n above the maximum", {"model": "default", "messages": OK_MESSAGES, "n": 9},
+     "invalid_request"),
+    ("tools wrong shape", {"model": "default", "messages": OK_MESSAGES, "tools": [{"type": 1}]},
      "invalid_request"),
 ]
 
@@ -67,7 +68,7 @@ async def test_sdk_sees_bad_request(proxy_factory: ProxyFactory, db_url: str) ->
     async with proxy.client(key) as client:
         with pytest.raises(openai.BadRequestError) as info:
             await client.chat.completions.create(
-                model="m", messages=[{"role": "wizard", "content": "x"}])  # type: ignore[misc]
+                model="default", messages=[{"role": "wizard", "content": "x"}])  # type: ignore[misc]
     assert "messages.0.role" in info.value.message
 
 
@@ -76,7 +77,7 @@ async def test_oversized_body_is_413(proxy_factory: ProxyFactory, db_url: str) -
     _, key = create_user(db_url, "u")
     big = [{"role": "user", "content": "x" * 5000}]
     async with httpx.AsyncClient(base_url=proxy.url) as http:
-        response = await http.post(CHAT, json={"model": "m", "messages": big},
+        response = await http.post(CHAT, json={"model": "default", "messages": big},
                                    headers={"Authorization": f"Bearer {key}"})
         assert_openai_error(response, 413, "payload_too_large")
 
@@ -97,7 +98,7 @@ async def test_keys_and_rate_limit(proxy_factory: ProxyFactory, db_url: str) -> 
     query(db_url, "UPDATE api_keys SET revoked_at = now() WHERE user_id = "
                   "(SELECT id FROM users WHERE name = 'gone') RETURNING id")
     async with httpx.AsyncClient(base_url=proxy.url) as http:
-        body = {"model": "m", "messages": OK_MESSAGES}
+        body = {"model": "default", "messages": OK_MESSAGES}
         assert_openai_error(await http.post(CHAT, json=body), 401, "missing_api_key")
         for bad in ("Bearer nope", "Bearer ck-abc-def", "Basic xyz", f"Bearer {revoked}"):
             assert_openai_error(await http.post(CHAT, json=body,
@@ -118,7 +119,7 @@ async def test_bad_headers_and_unknown_paths(proxy_factory: ProxyFactory, db_url
     _, key = create_user(db_url, "u")
     auth = {"Authorization": f"Bearer {key}"}
     async with httpx.AsyncClient(base_url=proxy.url) as http:
-        body = {"model": "m", "messages": OK_MESSAGES}
+        body = {"model": "default", "messages": OK_MESSAGES}
         assert_openai_error(await http.post(CHAT, json=body,
                                             headers={**auth, "X-Turn-Type": "weird"}), 400)
         assert_openai_error(await http.post(CHAT, json=body,

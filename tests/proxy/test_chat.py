@@ -23,7 +23,7 @@ TOOLS: list[Any] = [{"type": "function", "function": {
 
 def direct(engine_url: str, messages: list[Any], **kw: Any) -> dict[str, Any]:
     """Ask the engine itself (no proxy) for the same greedy completion and its ids."""
-    body = {"model": "m", "messages": messages, "temperature": 0, "max_tokens": 8,
+    body = {"model": "default", "messages": messages, "temperature": 0, "max_tokens": 8,
             "return_token_ids": True, **kw}
     data: dict[str, Any] = httpx.post(f"{engine_url}/v1/chat/completions", json=body,
                                       timeout=60).json()
@@ -46,7 +46,7 @@ async def test_non_streaming_logs_engine_ids(proxy_factory: ProxyFactory, db_url
     user_id, key = create_user(db_url, "alice")
     async with proxy.client(key) as client:
         raw = await client.chat.completions.with_raw_response.create(
-            model="tiny", messages=MESSAGES, temperature=0, max_tokens=8, seed=1)
+            model="default", messages=MESSAGES, temperature=0, max_tokens=8, seed=1)
         completion = raw.parse()
     uid = raw.headers["x-clawrl-turn-id"]
     choice = completion.choices[0]
@@ -79,7 +79,7 @@ async def test_streaming_with_usage(proxy_factory: ProxyFactory, db_url: str,
     _, key = create_user(db_url, "bob")
     async with proxy.client(key) as client:
         raw = await client.chat.completions.with_raw_response.create(
-            model="tiny", messages=MESSAGES, temperature=0, max_tokens=8, stream=True,
+            model="default", messages=MESSAGES, temperature=0, max_tokens=8, stream=True,
             stream_options={"include_usage": True})
         uid = raw.headers["x-clawrl-turn-id"]
         assert raw.headers["content-type"].startswith("text/event-stream")
@@ -109,11 +109,11 @@ async def test_client_logprobs_and_tools_pass_through(proxy_factory: ProxyFactor
     _, key = create_user(db_url, "carol")
     async with proxy.client(key) as client:
         raw = await client.chat.completions.with_raw_response.create(
-            model="tiny", messages=MESSAGES, temperature=0, max_tokens=6, logprobs=True,
+            model="default", messages=MESSAGES, temperature=0, max_tokens=6, logprobs=True,
             tools=TOOLS, tool_choice="auto", extra_body={"top_k": 1})
         completion = raw.parse()
         stream = await client.chat.completions.create(
-            model="tiny", messages=MESSAGES, temperature=0, max_tokens=6, logprobs=True,
+            model="default", messages=MESSAGES, temperature=0, max_tokens=6, logprobs=True,
             stream=True, tools=TOOLS)
         streamed = [c async for c in stream]
     content = completion.choices[0].logprobs.content  # type: ignore[union-attr]
@@ -135,14 +135,14 @@ async def test_conversation_is_a_session(proxy_factory: ProxyFactory, db_url: st
         uids = []
         for follow_up in ("and then?", "thanks"):
             raw = await client.chat.completions.with_raw_response.create(
-                model="tiny", messages=messages, temperature=0, max_tokens=5)
+                model="default", messages=messages, temperature=0, max_tokens=5)
             uids.append(raw.headers["x-clawrl-turn-id"])
             reply = raw.parse().choices[0].message
             messages += [{"role": "assistant", "content": reply.content},
                          {"role": "user", "content": follow_up}]
         # A side request (e.g. a title) over the same history continues nothing.
         side = await client.chat.completions.with_raw_response.create(
-            model="tiny", messages=[*messages, {"role": "user", "content": "title?"}],
+            model="default", messages=[*messages, {"role": "user", "content": "title?"}],
             max_tokens=3, extra_headers={"X-Turn-Type": "side"})
     await proxy.settle()
     first, second = turn(db_url, uids[0]), turn(db_url, uids[1])
@@ -163,7 +163,7 @@ async def test_explicit_session_headers(proxy_factory: ProxyFactory, db_url: str
     _, key = create_user(db_url, "erin")
     async with proxy.client(key) as client:
         raw = await client.chat.completions.with_raw_response.create(
-            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+            model="default", messages=[{"role": "user", "content": "hi"}], max_tokens=3,
             extra_headers={"X-Session-Id": "conv-42", "X-Session-Done": "1"})
     sid = raw.headers["x-clawrl-session-id"]
     await proxy.settle()
@@ -180,7 +180,7 @@ async def test_log_opt_out_is_served_and_not_stored(proxy_factory: ProxyFactory,
     _, key = create_user(db_url, "private", log_opt_out=True)
     async with proxy.client(key) as client:
         raw = await client.chat.completions.with_raw_response.create(
-            model="tiny", messages=MESSAGES, max_tokens=4, stream=stream)
+            model="default", messages=MESSAGES, max_tokens=4, stream=stream)
         if stream:
             assert [c async for c in raw.parse()]  # type: ignore[union-attr]
         else:
@@ -196,7 +196,7 @@ async def test_feedback(proxy_factory: ProxyFactory, db_url: str, engine_url: st
     _, other_key = create_user(db_url, "mallory")
     async with proxy.client(key) as client:
         raw = await client.chat.completions.with_raw_response.create(
-            model="tiny", messages=MESSAGES, max_tokens=3)
+            model="default", messages=MESSAGES, max_tokens=3)
     uid = raw.headers["x-clawrl-turn-id"]
     async with httpx.AsyncClient(base_url=proxy.url) as http:
         mine = {"Authorization": f"Bearer {key}"}
@@ -228,7 +228,7 @@ async def test_models_health_and_metrics(proxy_factory: ProxyFactory, db_url: st
     async with proxy.client(key) as client:
         models = await client.models.list()
         assert [m.id for m in models.data]
-        await client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=3)
+        await client.chat.completions.create(model="default", messages=MESSAGES, max_tokens=3)
     async with httpx.AsyncClient(base_url=proxy.url) as http:
         assert (await http.get("/healthz")).json() == {"status": "ok"}
         ready = await http.get("/readyz")
@@ -249,7 +249,7 @@ async def test_engine_rejection_passes_its_message(proxy_factory: ProxyFactory, 
         for stream in (False, True):
             with pytest.raises(openai.BadRequestError) as info:
                 await client.chat.completions.create(  # type: ignore[call-overload]
-                    model="tiny", messages=MESSAGES, stream=stream, presence_penalty=0.5)
+                    model="default", messages=MESSAGES, stream=stream, presence_penalty=0.5)
             assert "presence_penalty" in info.value.message
             assert info.value.code == "engine_rejected"
     await proxy.settle()

@@ -64,7 +64,7 @@ async def test_stalled_database_journals_at_once(proxy_factory: ProxyFactory,
         async with httpx.AsyncClient(base_url=proxy.url, timeout=60,
                                      headers={"Authorization": f"Bearer {key}"}) as http:
             for i in range(3):
-                reply = await http.post(CHAT, json={"model": "m", "max_tokens": 4,
+                reply = await http.post(CHAT, json={"model": "default", "max_tokens": 4,
                                                     "messages": [{"role": "user",
                                                                   "content": f"turn {i}"}]})
                 assert reply.status_code == 200
@@ -90,7 +90,7 @@ async def test_sync_reply_waits_for_the_journal(proxy_factory: ProxyFactory, db_
     with turns_locked(db_url):
         async with httpx.AsyncClient(base_url=proxy.url, timeout=60,
                                      headers={"Authorization": f"Bearer {key}"}) as http:
-            ask = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "x"}]}
+            ask = {"model": "default", "max_tokens": 4, "messages": [{"role": "user", "content": "x"}]}
             reply = await http.post(CHAT, json=ask)
             assert reply.status_code == 200 and writer.journal.pending == 1
             async with http.stream("POST", CHAT, json={**ask, "stream": True}) as stream:

@@ -158,7 +158,7 @@ def engine_requests(procs: BenchProcs) -> int:
 
 
 def chat(content: str, max_tokens: int = 16, **extra: Any) -> dict[str, Any]:
-    return {"model": "m", "max_tokens": max_tokens,
+    return {"model": "default", "max_tokens": max_tokens,
             "messages": [{"role": "user", "content": content}], **extra}
 
 

@@ -217,7 +217,7 @@ async def test_proxy_client_disconnect_closes_the_pooled_engine_connection(
         _, key = create_user(db_url, "u")
         async with proxy.client(key) as client:
             response = await client.chat.completions.create(
-                model="m", messages=[{"role": "user", "content": "hi"}], stream=True)
+                model="default", messages=[{"role": "user", "content": "hi"}], stream=True)
             async for part in response:
                 if part.choices and part.choices[0].delta.content:
                     break  # the user pressed stop

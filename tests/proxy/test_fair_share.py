@@ -91,7 +91,7 @@ def procs(db_url: str, tmp_path: Path) -> Iterator[BenchProcs]:
 
 
 def body(max_tokens: int = 16, stream: bool = False) -> bytes:
-    return json.dumps({"model": "m", "max_tokens": max_tokens, "stream": stream,
+    return json.dumps({"model": "default", "max_tokens": max_tokens, "stream": stream,
                        "messages": [{"role": "user", "content": "hello"}]}).encode()
 
 

@@ -84,7 +84,7 @@ async def test_engine_down_is_502_and_logged(proxy_factory: ProxyFactory, db_url
     async with proxy.client(key) as client:
         for stream in (False, True):
             with pytest.raises(openai.APIStatusError) as info:
-                await client.chat.completions.create(model="m", messages=MESSAGES,  # type: ignore[call-overload]
+                await client.chat.completions.create(model="default", messages=MESSAGES,  # type: ignore[call-overload]
                                                      stream=stream)
             assert info.value.status_code == 502
             assert info.value.code == "engine_unavailable"
@@ -101,7 +101,7 @@ async def test_engine_timeout_is_504(proxy_factory: ProxyFactory, db_url: str) -
         async with proxy.client(key) as client:
             for stream in (False, True):
                 with pytest.raises(openai.APIStatusError) as info:
-                    await client.chat.completions.create(model="m", messages=MESSAGES,  # type: ignore[call-overload]
+                    await client.chat.completions.create(model="default", messages=MESSAGES,  # type: ignore[call-overload]
                                                          stream=stream)
                 assert info.value.status_code == 504 and info.value.code == "engine_timeout"
     await proxy.settle()
@@ -117,7 +117,7 @@ async def test_engine_rejection_is_400_not_logged(proxy_factory: ProxyFactory,
     _, key = create_user(db_url, "u")
     async with proxy.client(key) as client:
         with pytest.raises(openai.BadRequestError) as info:
-            await client.chat.completions.create(model="m", messages=MESSAGES)  # type: ignore[arg-type]
+            await client.chat.completions.create(model="default", messages=MESSAGES)  # type: ignore[arg-type]
     assert "maximum context length" in info.value.message
     await proxy.settle()
     assert query(db_url, "SELECT count(*) FROM turns") == [(0,)]
@@ -134,7 +134,7 @@ async def test_engine_failure_mid_stream(proxy_factory: ProxyFactory, db_url: st
     _, key = create_user(db_url, "u")
     received = []
     async with proxy.client(key) as client:
-        response = await client.chat.completions.create(model="m", messages=MESSAGES,  # type: ignore[arg-type]
+        response = await client.chat.completions.create(model="default", messages=MESSAGES,  # type: ignore[arg-type]
                                                         stream=True)
         with pytest.raises(openai.APIError) as info:
             async for part in response:
@@ -155,7 +155,7 @@ async def test_client_disconnect_closes_upstream(proxy_factory: ProxyFactory,
     proxy = await proxy_factory("http://engine", transport=scripted_engine(stream))
     _, key = create_user(db_url, "u")
     async with proxy.client(key) as client:
-        response = await client.chat.completions.create(model="m", messages=MESSAGES,  # type: ignore[arg-type]
+        response = await client.chat.completions.create(model="default", messages=MESSAGES,  # type: ignore[arg-type]
                                                         stream=True)
         async for part in response:
             if part.choices and part.choices[0].delta.content:

@@ -45,7 +45,7 @@ def conversation_with_call(arguments: Any) -> list[Any]:
 
 def corpus() -> Iterator[tuple[str, bytes | dict[str, Any], dict[str, Any]]]:
     """(name, body, extra headers): JSON bodies as dicts, raw bodies as bytes."""
-    base: dict[str, Any] = {"model": "tiny", "max_tokens": 2, "temperature": 0}
+    base: dict[str, Any] = {"model": "default", "max_tokens": 2, "temperature": 0}
     ok = {**base, "messages": [USER]}
     yield "plain", ok, {}
     yield "plain stream", {**ok, "stream": True}, {}
@@ -81,7 +81,7 @@ def corpus() -> Iterator[tuple[str, bytes | dict[str, Any], dict[str, Any]]]:
         {"type": "text", "text": "x"}] * 10_000}]}, {}
     yield "10,000 tools", {**ok, "tools": [{"type": "function", "function": {"name": "f"}}]
                            * 10_000}, {}
-    yield "long model name", {**ok, "model": "m" * 100_000}, {}
+    yield "long model name", {**ok, "model": "default" * 100_000}, {}
     yield "long header session", ok, {"X-Session-Id": "s" * 10_000}
     yield "bad turn type", ok, {"X-Turn-Type": "é".encode() * 10}
     # Invalid UTF-8 and other broken encodings.

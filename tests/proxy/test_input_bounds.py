@@ -49,7 +49,7 @@ async def test_fields_outside_the_allow_list_are_400(
     proxy = await proxy_factory(closed_port_url(), max_body_bytes=2_000_000)
     _, key = create_user(db_url, "u")
     async with httpx.AsyncClient(base_url=proxy.url) as http:
-        response = await http.post(CHAT, json={"model": "m", "messages": OK, **extra},
+        response = await http.post(CHAT, json={"model": "default", "messages": OK, **extra},
                                    headers={"Authorization": f"Bearer {key}"})
     assert response.status_code == 400, response.text
     error = response.json()["error"]
@@ -67,7 +67,7 @@ async def test_reply_fields_sent_back_are_dropped(proxy_factory: ProxyFactory, d
                  "function_call": None, "annotations": []},
                 {"role": "user", "content": "more"}]
     async with httpx.AsyncClient(base_url=proxy.url, timeout=60) as http:
-        response = await http.post(CHAT, json={"model": "m", "messages": messages,
+        response = await http.post(CHAT, json={"model": "default", "messages": messages,
                                                "max_tokens": 2},
                                    headers={"Authorization": f"Bearer {key}"})
     assert response.status_code == 200, response.text

@@ -37,7 +37,7 @@ async def test_outage_journal_and_replay(proxy_factory: ProxyFactory, db_url: st
     writer = proxy.app.state.writer
     writer.retry_s = 0.2
     _, key = create_user(db_url, "alice")
-    ask = {"model": "tiny", "temperature": 0, "max_tokens": 4}
+    ask = {"model": "default", "temperature": 0, "max_tokens": 4}
     try:
         async with proxy.client(key) as client:
             messages: list[Any] = [{"role": "user", "content": "hi"}]
@@ -83,7 +83,7 @@ async def test_replay_is_idempotent(proxy_factory: ProxyFactory, db_url: str,
     user_id, key = create_user(db_url, "bob")
     async with proxy.client(key) as client:
         raw = await client.chat.completions.with_raw_response.create(
-            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+            model="default", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
     await proxy.settle()
     stored_uid = raw.headers["x-clawrl-turn-id"]
     again = TurnRecord(uid=stored_uid, user_id=user_id, api_key_id=None,

@@ -45,7 +45,7 @@ def turn(db_url: str, uid: str) -> dict[str, Any]:
 
 
 def direct(engine_url: str, messages: list[Any], max_tokens: int) -> dict[str, Any]:
-    body = {"model": "m", "messages": messages, "temperature": 0, "max_tokens": max_tokens,
+    body = {"model": "default", "messages": messages, "temperature": 0, "max_tokens": max_tokens,
             "return_token_ids": True}
     data: dict[str, Any] = httpx.post(f"{engine_url}/v1/chat/completions", json=body,
                                       timeout=60).json()
@@ -87,7 +87,7 @@ class ScriptedEngine:
 
     def whole(self) -> dict[str, Any]:
         ids = self.response_ids()
-        return {"id": "chatcmpl-1", "object": "chat.completion", "created": 0, "model": "m",
+        return {"id": "chatcmpl-1", "object": "chat.completion", "created": 0, "model": "default",
                 "choices": [{"index": 0, "message": self.reply, "finish_reason": self.finish,
                              "prompt_token_ids": PROMPT_IDS, "response_token_ids": ids,
                              "logprobs": {"content": [{"token": "x", "logprob": -0.5,
@@ -100,7 +100,7 @@ class ScriptedEngine:
     def sse(self) -> bytes:
         def event(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
             return {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 0,
-                    "model": "m", "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                    "model": "default", "choices": [{"index": 0, "delta": delta, "logprobs": None,
                                                "finish_reason": finish}]}
 
         events = [event({"role": "assistant", "content": ""})]
@@ -118,7 +118,7 @@ class ScriptedEngine:
                                                      "function": {"arguments": piece}}]}))
         events.append(event({}, self.finish))
         events.append({"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 0,
-                       "model": "m", "choices": [], "sglext": {
+                       "model": "default", "choices": [], "sglext": {
                            "input_ids": PROMPT_IDS, "output_ids": [self.response_ids()]}})
         return b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) \
             + b"data: [DONE]\n\n"
@@ -137,7 +137,7 @@ async def test_non_streaming_text(proxy_factory: ProxyFactory, db_url: str,
     _, key = create_user(db_url, "alice")
     async with proxy.client(key) as client:
         raw = await client.responses.with_raw_response.create(
-            model="tiny", instructions="Be brief.", input="Tell me about the sea.",
+            model="default", instructions="Be brief.", input="Tell me about the sea.",
             temperature=0, max_output_tokens=8, store=False)
         response = raw.parse()
     uid = raw.headers["x-clawrl-turn-id"]
@@ -176,7 +176,7 @@ async def test_streaming_events_in_order(proxy_factory: ProxyFactory, db_url: st
     _, key = create_user(db_url, "bob")
     async with proxy.client(key) as client:
         raw = await client.responses.with_raw_response.create(
-            model="tiny", input=[{"role": "user", "content": "hi"}], temperature=0,
+            model="default", input=[{"role": "user", "content": "hi"}], temperature=0,
             max_output_tokens=6, stream=True)
         uid = raw.headers["x-clawrl-turn-id"]
         assert raw.headers["content-type"].startswith("text/event-stream")
@@ -214,7 +214,7 @@ async def test_two_requests_are_one_session(proxy_factory: ProxyFactory, db_url:
     async with proxy.client(key) as client:
         for follow_up in ("and then?", "thanks"):
             raw = await client.responses.with_raw_response.create(
-                model="tiny", instructions="You are terse.", input=history, temperature=0,
+                model="default", instructions="You are terse.", input=history, temperature=0,
                 max_output_tokens=5, store=False)
             uids.append(raw.headers["x-clawrl-turn-id"])
             output = raw.parse().output
@@ -243,7 +243,7 @@ async def test_stream_helper_assembles_the_reply(proxy_factory: ProxyFactory,
     proxy = await proxy_factory("http://engine", transport=engine.transport())
     _, key = create_user(db_url, "dora")
     async with proxy.client(key) as client:
-        async with client.responses.stream(model="m", input="hi", store=False) as stream:
+        async with client.responses.stream(model="default", input="hi", store=False) as stream:
             deltas = [e.delta async for e in stream if e.type == "response.output_text.delta"]
             final = await stream.get_final_response()
     assert final.status == "completed" and final.output_text == "Hello there."
@@ -272,7 +272,7 @@ async def test_function_call_round_trip(proxy_factory: ProxyFactory, db_url: str
     ask = {"role": "user", "content": "What does sea mean?"}
     async with proxy.client(key) as client:
         if stream:
-            async with client.responses.stream(model="m", input=[ask], tools=TOOLS,
+            async with client.responses.stream(model="default", input=[ask], tools=TOOLS,
                                                tool_choice="auto") as events:
                 seen = [e async for e in events]
                 first = await events.get_final_response()
@@ -283,7 +283,7 @@ async def test_function_call_round_trip(proxy_factory: ProxyFactory, db_url: str
             assert types[-3:] == ["response.function_call_arguments.done",
                                   "response.output_item.done", "response.completed"]
         else:
-            first = await client.responses.create(model="m", input=[ask], tools=TOOLS,
+            first = await client.responses.create(model="default", input=[ask], tools=TOOLS,
                                                   tool_choice="auto")
         [call] = first.output
         assert call.type == "function_call" and call.name == "lookup"
@@ -291,7 +291,7 @@ async def test_function_call_round_trip(proxy_factory: ProxyFactory, db_url: str
         assert first.status == "completed" and first.output_text == ""
         engine.reply, engine.finish = {"role": "assistant", "content": "It means sea."}, "stop"
         second = await client.responses.create(
-            model="m", tools=TOOLS, input=[ask, call.model_dump(exclude_none=True), {
+            model="default", tools=TOOLS, input=[ask, call.model_dump(exclude_none=True), {
                 "type": "function_call_output", "call_id": call.call_id,
                 "output": '{"meaning": "a lot of water"}'}])
     assert second.output_text == "It means sea."
@@ -329,7 +329,7 @@ async def test_stream_failure_ends_with_response_failed(proxy_factory: ProxyFact
     _, key = create_user(db_url, "finn")
     async with httpx.AsyncClient(base_url=proxy.url, timeout=30) as http:
         reply = await http.post("/v1/responses", headers={"Authorization": f"Bearer {key}"},
-                                json={"model": "m", "input": "hi", "stream": True})
+                                json={"model": "default", "input": "hi", "stream": True})
     events = [json.loads(line[6:]) for line in reply.text.splitlines()
               if line.startswith("data: ")]
     assert [e["type"] for e in events[-2:]] == ["error", "response.failed"]
@@ -353,7 +353,7 @@ async def test_sync_durability_holds_the_last_event(proxy_factory: ProxyFactory,
     with turns_locked(db_url):
         async with httpx.AsyncClient(base_url=proxy.url, timeout=60,
                                      headers={"Authorization": f"Bearer {key}"}) as http:
-            ask = {"model": "m", "input": "x", "stream": True}
+            ask = {"model": "default", "input": "x", "stream": True}
             async with http.stream("POST", "/v1/responses", json=ask) as stream:
                 async for line in stream.aiter_lines():
                     if line == "event: response.completed":
@@ -397,7 +397,7 @@ REFUSED: list[tuple[dict[str, Any], str, str]] = [
     ({"input": []}, "input", "invalid_request"),
     ({"instructions": "be nice", "input": [{"role": "system", "content": "x"}]}, "input",
      "invalid_request"),
-    ({"model": "m"}, "input", "invalid_request"),
+    ({"model": "default"}, "input", "invalid_request"),
     ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens", "invalid_request"),
     ({"input": "hi", "max_output_tokens": 10**9}, "max_output_tokens", "invalid_request"),
     ({"input": "hi", "text": {"format": {"type": "xml"}}}, "text.format", "invalid_request"),
@@ -431,7 +431,7 @@ async def test_refusals_are_openai_shaped_and_store_nothing(proxy_factory: Proxy
         assert wrong_method.status_code == 405
     async with proxy.client(key) as client:
         with pytest.raises(openai.BadRequestError) as info:
-            await client.responses.create(model="m", input="hi", previous_response_id="resp_1")
+            await client.responses.create(model="default", input="hi", previous_response_id="resp_1")
         assert "stores no response objects" in info.value.message
     assert engine.bodies == []
     await proxy.settle()
@@ -442,7 +442,7 @@ async def test_refusals_are_openai_shaped_and_store_nothing(proxy_factory: Proxy
 
 def test_request_translation() -> None:
     body = {
-        "model": "m", "instructions": "Be kind.", "max_output_tokens": 50, "temperature": 0.2,
+        "model": "default", "instructions": "Be kind.", "max_output_tokens": 50, "temperature": 0.2,
         "top_p": 0.9, "parallel_tool_calls": False, "store": False, "user": "u1",
         "metadata": {"run": "7"}, "include": ["reasoning.encrypted_content"],
         "reasoning": {"effort": "minimal", "summary": "auto"}, "truncation": "disabled",
@@ -467,7 +467,7 @@ def test_request_translation() -> None:
         ]}
     chat, view, request = parse_responses_request(json.dumps(body).encode())
     assert chat == {
-        "model": "m",
+        "model": "default",
         "messages": [
             {"role": "system", "content": "Be kind."},
             {"role": "developer", "content": "Use tools."},
@@ -496,7 +496,8 @@ def test_output_conversion_of_a_chat_reply() -> None:
     shape = ResponsesShape(parse_responses_request(b'{"input": "hi", "tools": '
                                                    + json.dumps(TOOLS).encode() + b"}")[2])
     uid = str(uuid.uuid4())
-    fake_turn: Any = SimpleNamespace(uid=uid, body={"model": "m"})
+    fake_turn: Any = SimpleNamespace(uid=uid, body={"model": "default"},
+                                     served_model="default")
     data = {"choices": [{"index": 0, "finish_reason": "tool_calls", "message": {
         "role": "assistant", "content": "Looking.", "tool_calls": [
             {"id": "call_a", "type": "function",
@@ -524,7 +525,8 @@ def test_stream_rendering_of_text_and_tool_calls() -> None:
     engine.reply = {"role": "assistant", "content": "On it.", "tool_calls":
                     TOOL_REPLY["tool_calls"]}
     shape = ResponsesShape(parse_responses_request(b'{"input": "hi"}')[2])
-    fake_turn: Any = SimpleNamespace(uid=str(uuid.uuid4()), body={"model": "m"})
+    fake_turn: Any = SimpleNamespace(uid=str(uuid.uuid4()), body={"model": "default"},
+                                     served_model="default")
     renderer, collector = ResponsesRenderer(shape, fake_turn), StreamCollector()
     pieces = [renderer.start()]
     for line in engine.sse().split(b"\n\n"):
@@ -556,7 +558,7 @@ def test_agent_request_shapes_are_accepted() -> None:
     prompt as a developer item, reasoning items replayed, prompt_cache_key, include, store
     false, a tool with strict null) and the Agents SDK (text.format text, truncation, nulls)."""
     body = {
-        "model": "m", "stream": True, "store": False, "prompt_cache_key": "session-1",
+        "model": "default", "stream": True, "store": False, "prompt_cache_key": "session-1",
         "include": ["reasoning.encrypted_content"], "max_output_tokens": 64,
         "reasoning": {"effort": "medium", "summary": "auto"}, "text": {"format": {"type": "text"}},
         "truncation": "disabled", "previous_response_id": None, "conversation": None,

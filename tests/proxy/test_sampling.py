@@ -47,7 +47,7 @@ async def test_sampling_out_of_bounds_is_400_naming_the_parameter(
         param: str) -> None:
     proxy = await proxy_factory(closed_port_url())
     _, key = create_user(db_url, "u")
-    body = {"model": "m", **({"input": "hi"} if path != CHAT else {"messages": OK}), **extra}
+    body = {"model": "default", **({"input": "hi"} if path != CHAT else {"messages": OK}), **extra}
     async with httpx.AsyncClient(base_url=proxy.url) as http:
         response = await http.post(path, json=body, headers={"Authorization": f"Bearer {key}"})
     assert response.status_code == 400, response.text
@@ -103,7 +103,7 @@ async def test_turns_store_the_sampling_the_engine_applied(
     _, key = create_user(db_url, "u")
     # What the start-up poll does, done here so the first request surely finds it done.
     await proxy.app.state.upstream.model_info()
-    base = {"model": "m", "messages": OK, "max_tokens": 6, "seed": 11}
+    base = {"model": "default", "messages": OK, "max_tokens": 6, "seed": 11}
     bodies = [base, {**base, "temperature": 0.7}, {**base, "temperature": 1.3, "top_k": 20},
               {**base, "stream": True}, {**base, "temperature": 0}]
     async with httpx.AsyncClient(base_url=proxy.url, timeout=60) as http:

@@ -26,7 +26,7 @@ async def _episode(proxy: Any, key: str, session: str, *, last: dict[str, str] |
         messages = list(ASK)
         for headers in ({"X-Session-Id": session}, {"X-Session-Id": session, **(last or {})}):
             raw = await client.chat.completions.with_raw_response.create(
-                model="tiny", messages=messages, max_tokens=3, extra_headers=headers)
+                model="default", messages=messages, max_tokens=3, extra_headers=headers)
             reply = raw.parse().choices[0].message.content or ""
             uids.append(raw.headers["x-clawrl-turn-id"])
             messages = [*messages, {"role": "assistant", "content": reply},
@@ -115,7 +115,7 @@ async def test_outcome_header_on_the_last_request(proxy_factory: ProxyFactory, d
         for bad in ("2", "nan", "inf", "one", "0x1", "1_0", "-1.5"):
             with pytest.raises(Exception) as caught:
                 await client.chat.completions.create(
-                    model="tiny", messages=ASK, max_tokens=3,
+                    model="default", messages=ASK, max_tokens=3,
                     extra_headers={"X-Session-Id": "agent-8", "X-Session-Outcome": bad})
             assert getattr(caught.value, "status_code", None) == 400, bad
             assert "X-Session-Outcome" in str(caught.value)
@@ -124,7 +124,7 @@ async def test_outcome_header_on_the_last_request(proxy_factory: ProxyFactory, d
     # An outcome on a request of an inferred session (no X-Session-Id) sets that session's.
     async with proxy.client(key) as client:
         raw = await client.chat.completions.with_raw_response.create(
-            model="tiny", messages=[{"role": "user", "content": "Hi."}], max_tokens=3,
+            model="default", messages=[{"role": "user", "content": "Hi."}], max_tokens=3,
             extra_headers={"X-Session-Outcome": "0.5"})
     await proxy.settle()
     rows = query(db_url, "SELECT s.outcome, s.outcome_source FROM turns t "
@@ -150,9 +150,9 @@ async def test_only_a_verifier_key_sets_an_outcome(proxy_factory: ProxyFactory,
             error = posted.json()["error"]
             assert error["code"] == "missing_scope" and error["type"] == "permission_error"
             assert "verifier" in error["message"]
-        for path, body in (("/v1/chat/completions", {"model": "tiny", "messages": ASK,
+        for path, body in (("/v1/chat/completions", {"model": "default", "messages": ASK,
                                                      "max_tokens": 3}),
-                           ("/v1/responses", {"model": "tiny", "input": "Who keeps the bakery?",
+                           ("/v1/responses", {"model": "default", "input": "Who keeps the bakery?",
                                               "max_output_tokens": 3})):
             for stream in (False, True):
                 sent = await http.post(path, json={**body, "stream": stream}, headers={
@@ -223,7 +223,7 @@ async def test_an_outcome_waits_for_turns_the_writer_journaled(
                                  headers={"Authorization": f"Bearer {key}"}) as http:
         with turns_locked(db_url):
             first = await http.post("/v1/chat/completions", json={
-                "model": "tiny", "messages": ASK, "max_tokens": 2})
+                "model": "default", "messages": ASK, "max_tokens": 2})
             assert first.status_code == 200  # its turn is in flight, stuck on the lock
             await asyncio.sleep(0.5)
             session_id, _ = await _episode(proxy, key, "stalled-episode")

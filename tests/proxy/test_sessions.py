@@ -65,7 +65,7 @@ class Log:
     async def turn(self, messages: list[dict[str, Any]], reply: dict[str, Any],
                    include_system: bool = False, **fields: Any) -> str:
         record = TurnRecord(uid=str(uuid.uuid4()), user_id=self.user_id, api_key_id=None,
-                            request_messages=messages, params={"model": "m"},
+                            request_messages=messages, params={"model": "default"},
                             response_message=reply, **{**self.defaults, **fields})
         async with self.db.begin() as conn:
             assert await record_turns(conn, [record], include_system=include_system) == 1

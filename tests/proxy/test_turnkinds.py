@@ -180,7 +180,7 @@ async def test_the_header_overrides_the_rules(db: AsyncEngine, db_url: str) -> N
     uids = []
     for kind_reason in ("header", None):
         record = TurnRecord(uid=str(uuid.uuid4()), user_id=user_id, api_key_id=None,
-                            request_messages=heartbeat, params={"model": "m"},
+                            request_messages=heartbeat, params={"model": "default"},
                             response_message={"role": "assistant", "content": "NO_REPLY"},
                             kind_reason=kind_reason)
         async with db.begin() as conn:

@@ -22,7 +22,7 @@ from proxy.journal import Journal
 from proxy.records import TurnRecord
 
 CHAT = "/v1/chat/completions"
-ASK: dict[str, Any] = {"model": "tiny", "temperature": 0, "max_tokens": 2}
+ASK: dict[str, Any] = {"model": "default", "temperature": 0, "max_tokens": 2}
 
 
 def say(text: str) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from trainer.publish import publish_version
 
 MESSAGES: list[Any] = [{"role": "system", "content": "Be brief."},
                        {"role": "user", "content": "Tell me about the sea."}]
-CLIENT_BODY: dict[str, Any] = {"model": "tiny", "messages": MESSAGES, "temperature": 0,
+CLIENT_BODY: dict[str, Any] = {"model": "default", "messages": MESSAGES, "temperature": 0,
                                "max_tokens": 8}
 
 
