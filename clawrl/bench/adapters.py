@@ -61,10 +61,10 @@ import torch
 from clawrl.base.settings import EngineSettings
 from clawrl.bench.trainer import EngineStartError, Prober, engine_process, synthetic_batch
 from clawrl.world.pretrain import PREBUILT_DIR
+from trainer.adapters import AdapterPublishError, load_adapter, unload_adapter
 from trainer.backends.torch import TorchBackend
 from trainer.checkpoint import save_checkpoint
 from trainer.config import LoraSettings, TrainerSettings
-from trainer.personal import AdapterPublishError, load_adapter, unload_adapter
 from trainer.publish import PublishError, publish_version
 
 PROG = "clawrl bench adapters"
