@@ -19,9 +19,9 @@ from typing import Any
 import httpx
 import pytest
 import torch
+from proxyharness import RunningProxy, create_user, query, serve
 from sqlalchemy import text
 from sqlalchemy.engine import Engine
-from proxyharness import RunningProxy, create_user, query, serve
 from test_gate import KNOWS, teach_wrong_answers
 from test_gate import settings_for as gate_settings
 from test_train_loop import PROMPT, settings_for
