@@ -43,8 +43,9 @@ def publish(db_url: str, user_id: int, name: str, version: int, path: Path,
           user_id, name, version, str(path), loaded)
 
 
-def served(db_url: str, uid: str) -> tuple[Any, ...]:
-    rows = query(db_url, "SELECT adapter, adapter_version, response_ids, status FROM turns "
+def served(db_url: str, uid: str, last: str = "status") -> tuple[Any, ...]:
+    """The turn's adapter, adapter_version, response_ids and `last` (a column)."""
+    rows = query(db_url, f"SELECT adapter, adapter_version, response_ids, {last} FROM turns "
                          "WHERE uid = %s", uuid.UUID(uid))
     assert len(rows) == 1
     return rows[0]
@@ -113,13 +114,6 @@ async def test_the_proxy_serves_each_user_their_adapter(
     assert served(db_url, uid_base) == (None, None, base, "ok")
 
 
-def served_version(db_url: str, uid: str) -> tuple[Any, ...]:
-    rows = query(db_url, "SELECT adapter, adapter_version, response_ids, weight_version "
-                         "FROM turns WHERE uid = %s", uuid.UUID(uid))
-    assert len(rows) == 1
-    return rows[0]
-
-
 async def test_users_without_their_own_adapter_get_the_shared_models_adapter(
         proxy_factory: ProxyFactory, db_url: str, engine_factory: Any,
         tiny_model_dir: Path, adapter_dirs: list[Path],
@@ -155,8 +149,8 @@ async def test_users_without_their_own_adapter_get_the_shared_models_adapter(
 
     dave, alice_turn = await ask(dave_key), await ask(alice_key)
     await proxy.settle()
-    assert served_version(db_url, dave) == ("policy-v3", None, shared, "3")
-    assert served_version(db_url, alice_turn) == ("user-alice-v1", 1, own, "default")
+    assert served(db_url, dave, "weight_version") == ("policy-v3", None, shared, "3")
+    assert served(db_url, alice_turn, "weight_version") == ("user-alice-v1", 1, own, "default")
 
     # The engine lost the adapter (restarted): the base serves, and says so in the log.
     async with httpx.AsyncClient(base_url=engine, timeout=60) as http:
@@ -165,7 +159,7 @@ async def test_users_without_their_own_adapter_get_the_shared_models_adapter(
     with caplog.at_level("WARNING"):
         fallback = await ask(dave_key)
     await proxy.settle()
-    assert served_version(db_url, fallback) == (None, None, base, "default")
+    assert served(db_url, fallback, "weight_version") == (None, None, base, "default")
     assert any(getattr(rec, "action", None) == "adapter_fallback" and "policy-v3" in
                rec.getMessage() for rec in caplog.records)
 
@@ -174,4 +168,4 @@ async def test_users_without_their_own_adapter_get_the_shared_models_adapter(
     await asyncio.sleep(2.5)
     after = await ask(dave_key)
     await proxy.settle()
-    assert served_version(db_url, after) == (None, None, base, "default")
+    assert served(db_url, after, "weight_version") == (None, None, base, "default")
