@@ -26,12 +26,12 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from sqlalchemy import func, select, update
+from sqlalchemy import func, select, true, update
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from clawrl.base.db import ApiKey, User, UserAdapter
+from clawrl.base.db import ApiKey, PolicyVersion, User, UserAdapter
 from clawrl.base.errors import BadRequest, Forbidden, RateLimited, Unauthorized, Unavailable
 from clawrl.base.settings import ProxySettings
 from proxy.limits import KeyLimits
@@ -61,8 +61,27 @@ class Principal:
     # requests are sent with `lora_path: adapter` (docs/proxy.md, "Personal adapters").
     adapter: str | None = None
     adapter_version: int | None = None
+    # The shared model's newest published version when it is a LoRA adapter
+    # (`policy_versions.adapter`, trainer/policy_adapter.py): served to a user without an
+    # adapter of their own, and the turn's policy version is that version.
+    policy_adapter: str | None = None
+    policy_version: int | None = None
     # What the key may do beyond chatting (SCOPES); refreshed with the rest within the TTL.
     scopes: frozenset[str] = frozenset()
+
+    @property
+    def serving_adapter(self) -> str | None:
+        """The adapter a request is sent with: the user's own, else the shared model's
+        newest version when it is an adapter, else none (the base model)."""
+        return self.adapter or self.policy_adapter
+
+    def policy_label(self, served_by: str | None) -> str | None:
+        """The turn's policy version (`turns.weight_version`) when the shared model's adapter
+        served it (`served_by`): that version, since the engine's own label names the base.
+        None otherwise, also when the engine lacked the adapter and the base served it."""
+        if self.adapter is None and served_by is not None and served_by == self.policy_adapter:
+            return str(self.policy_version)
+        return None
 
 
 def check_scopes(scopes: object) -> list[str]:
@@ -127,16 +146,22 @@ async def lookup_principal(db: AsyncEngine, full_key: str) -> Principal:
     prefix = parse_prefix(full_key)
     if prefix is None:
         raise Unauthorized("Incorrect API key provided.")
+    # The newest published version of the shared model (its adapter, when it learns as one).
+    newest = (select(PolicyVersion.version, PolicyVersion.adapter)
+              .where(PolicyVersion.status == "published")
+              .order_by(PolicyVersion.version.desc()).limit(1).subquery())
     async with db.connect() as conn:
         row = (await conn.execute(
             select(ApiKey.id, ApiKey.secret_hash, ApiKey.revoked_at, ApiKey.rate_limit_rpm,
                    User.id, User.name, User.train_opt_out, User.log_opt_out,
                    ApiKey.max_concurrent, ApiKey.rate_limit_tpm,
-                   UserAdapter.name, UserAdapter.version, ApiKey.scopes)
+                   UserAdapter.name, UserAdapter.version, ApiKey.scopes,
+                   newest.c.adapter, newest.c.version)
             .join(User, User.id == ApiKey.user_id)
             # A user who opted out of training has no adapter (the trainer also removes it).
             .outerjoin(UserAdapter, (UserAdapter.user_id == User.id) & UserAdapter.loaded
                        & ~User.train_opt_out)
+            .outerjoin(newest, true())
             .where(ApiKey.prefix == prefix)
         )).first()
     # Compare even when the prefix is unknown, so timing does not reveal which prefixes exist.
@@ -148,7 +173,8 @@ async def lookup_principal(db: AsyncEngine, full_key: str) -> Principal:
     return Principal(user_id=row[4], user_name=row[5], key_id=row[0], rate_limit_rpm=row[3],
                      train_opt_out=row[6], log_opt_out=row[7], max_concurrent=row[8],
                      rate_limit_tpm=row[9], adapter=row[10], adapter_version=row[11],
-                     scopes=frozenset(row[12] or ()))
+                     scopes=frozenset(row[12] or ()), policy_adapter=row[13],
+                     policy_version=row[14] if row[13] is not None else None)
 
 
 # --- Serving-path authentication: cached lookups and per-key rate limits -----------------

@@ -440,14 +440,14 @@ class ChatEndpoint:
         """One engine call for the user's adapter; when that adapter is not in the engine
         (restarted, unloaded before the table caught up), the base model, as for a user
         without one."""
-        adapter = turn.principal.adapter
+        adapter = turn.principal.serving_adapter
         try:
             return await call(self.engine_request(turn, adapter))
         except BadRequest as exc:
             if adapter is None or not adapter_missing(exc, adapter):
                 raise
             log.warning("adapter %s not loaded in the engine; serving the base model",
-                        adapter, extra={"action": "adapter_fallback"})
+                        adapter, extra={"action": "adapter_fallback", "adapter": adapter})
             if turn.record is not None:
                 turn.record.adapter = turn.record.adapter_version = None
             return await call(self.engine_request(turn, None))
@@ -479,7 +479,8 @@ class ChatEndpoint:
             record.finish_reason = reply.finish_reason
             record.prompt_ids, record.response_ids = reply.prompt_ids, reply.response_ids
             record.response_logprobs = reply.logprobs
-            record.weight_version = reply.weight_version or self.state.upstream.weight_version
+            record.weight_version = turn.principal.policy_label(record.adapter) or \
+                reply.weight_version or self.state.upstream.weight_version
         self.state.metrics.count_tokens(len(reply.prompt_ids or ()),
                                         len(reply.response_ids or ()))
         used = used_tokens(reply.prompt_ids, reply.response_ids, reply.usage)
@@ -543,7 +544,7 @@ def new_record(principal: Principal, body: dict[str, Any], kind: str, session_ex
         session_external_id=session_ext,
         session_done=(headers.get(b"x-session-done") or "").strip().lower() in _TRUE,
         session_outcome=outcome, train_opt_out=principal.train_opt_out,
-        adapter=principal.adapter, adapter_version=principal.adapter_version)
+        adapter=principal.serving_adapter, adapter_version=principal.adapter_version)
 
 
 def choice_turns(turn: ChatTurn, n: int) -> list[ChatTurn]:

@@ -1,7 +1,7 @@
 """Training state on disk and how a restarted trainer finds where it stopped.
 
-A checkpoint is a version folder (export.py) plus `trainer_state/`: optimizer state (and LoRA
-adapters) from the backend, RNG states, and `state.json` written last. The database decides
+A checkpoint is a version folder (export.py: a model, or under LoRA the adapter) plus
+`trainer_state/`: optimizer state from the backend, RNG states, and `state.json` written last. The database decides
 which checkpoints are real: a folder counts only if its `policy_versions` row exists, because
 that row is committed in the same transaction that marks the step's samples trained.
 
@@ -28,6 +28,7 @@ from clawrl.base.db import PolicyVersion, TrainingStep
 from trainer.backends.base import Backend
 from trainer.config import TrainerSettings
 from trainer.export import (
+    ADAPTER_CONFIG,
     STATE_DIR,
     CheckpointError,
     list_version_dirs,
@@ -78,13 +79,22 @@ def load_checkpoint(backend: Backend, cfg: TrainerSettings, base_model_dir: Path
                     path: Path | None) -> None:
     """Load the base model (path None) or a version folder into the backend.
 
-    Full fine-tuning loads the weights from the folder; LoRA loads the base and then its
-    adapters from trainer_state. The KL reference is always the base model.
+    Full fine-tuning loads the weights from the folder; LoRA loads the base and then the
+    folder's adapter (an adapter version) or the adapter its trainer_state kept (a merged
+    version written before). The KL reference is always the base model.
     """
     if path is None:
         backend.load(base_model_dir)
         return
     verify_version(path)
+    if cfg.lora.enabled and (path / ADAPTER_CONFIG).is_file():
+        # An adapter version: the base, then the folder's adapter and its optimizer state
+        # (a version whose trainer_state was dropped resumes with fresh moments).
+        backend.load(base_model_dir)
+        backend.load_adapter(path)  # type: ignore[attr-defined]  # torch: adapter_mode
+        if has_trainer_state(path):
+            restore_rng(torch.load(path / STATE_DIR / RNG_FILE, weights_only=True))
+        return
     backend.load(base_model_dir if cfg.lora.enabled else path, reference_dir=base_model_dir)
     if has_trainer_state(path):
         backend.load_state(path / STATE_DIR)

@@ -2,8 +2,10 @@
 
 A version folder is a plain Hugging Face model directory (safetensors + config.json +
 tokenizer files copied from the base model) that SGLang or `clawrl engine` loads with
-`/update_weights_from_disk`. It may also hold `trainer_state/` (optimizer, RNG; see
-checkpoint.py), which engines ignore.
+`/update_weights_from_disk` — or, when the shared model learns as a LoRA adapter, a PEFT
+adapter folder (adapter_config.json + adapter_model.safetensors) that the engine loads beside
+the base with `/load_lora_adapter` (trainer/policy_adapter.py). It may also hold
+`trainer_state/` (optimizer, RNG; see checkpoint.py), which engines ignore.
 
 Atomicity: everything is written into a hidden temporary folder, the marker
 `clawrl_complete.json` (listing every served file and its size) is written last, then the
@@ -21,6 +23,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 MARKER = "clawrl_complete.json"
+# A version of a shared model that learns as a LoRA adapter is a PEFT folder instead
+# (adapter_config.json + adapter_model.safetensors; trainer/policy_adapter.py).
+ADAPTER_CONFIG = "adapter_config.json"
 STATE_DIR = "trainer_state"
 # Files copied from the base model so every version folder is self-contained.
 TOKENIZER_PATTERNS = ("tokenizer*", "special_tokens_map.json", "vocab*", "merges.txt",
@@ -85,10 +90,13 @@ def write_version(
     tmp.mkdir()
     try:
         write_files(tmp)
-        copy_tokenizer_files(base_model_dir, tmp)
+        if not (tmp / ADAPTER_CONFIG).is_file():  # an adapter is loaded onto the base's
+            copy_tokenizer_files(base_model_dir, tmp)
         served = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
-        if "config.json" not in served or not any(n.endswith(".safetensors") for n in served):
-            raise CheckpointError(f"export of v{version} wrote no config.json / safetensors")
+        if not ({"config.json", ADAPTER_CONFIG} & served.keys()) or \
+                not any(n.endswith(".safetensors") for n in served):
+            raise CheckpointError(f"export of v{version} wrote no config.json (or "
+                                  f"{ADAPTER_CONFIG}) / safetensors")
         _fsync_tree(tmp)
         marker = {"version": version, "files": served, "created_at": time.time(), **(info or {})}
         (tmp / MARKER).write_text(json.dumps(marker, indent=1))

@@ -48,8 +48,8 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.engine import Engine
 
 from clawrl.base.db import AdapterVersion, UserAdapter, create_engine
-from clawrl.base.engine_client import absent_adapter, sync_client
 from clawrl.base.settings import EngineSettings
+from trainer.adapters import AdapterPublishError, engine_adapters, load_adapter, unload_adapter
 from trainer.backends.torch import TorchBackend
 from trainer.config import Settings
 from trainer.data import STEPS, Claim, claim_batch, record_step, replay_of
@@ -60,10 +60,6 @@ USER_ADAPTERS = cast(Table, UserAdapter.__table__)
 COMPLETE = ".complete"
 # While nobody has samples ready, look this often for them (and at the engine's adapters).
 IDLE_CHECK_S = 30.0
-
-
-class AdapterPublishError(Exception):
-    """The engine did not load an adapter (the user keeps being served the previous one)."""
 
 
 def adapter_dir(weights_dir: Path, user_id: int, version: int) -> Path:
@@ -131,45 +127,7 @@ def next_step(db: Engine) -> int:
         return int(conn.execute(select(func.max(STEPS.c.step))).scalar() or 0) + 1
 
 
-# -- the engine's side --------------------------------------------------------------------
-def _lora_call(engine: EngineSettings, route: str, body: dict[str, Any],
-               timeout_s: float = 120.0) -> dict[str, Any]:
-    with sync_client(engine, timeout_s) as client:
-        resp = client.post(route, json=body)
-    try:
-        answer: dict[str, Any] = resp.json()
-    except ValueError:
-        answer = {"error_message": resp.text[:200]}
-    if resp.status_code != 200 or not answer.get("success", False):
-        raise AdapterPublishError(f"{route} {body.get('lora_name')}: HTTP {resp.status_code} "
-                                  f"{answer.get('error_message') or answer}")
-    return answer
-
-
-def load_adapter(engine: EngineSettings, name: str, path: Path) -> None:
-    _lora_call(engine, "/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
-
-
-def unload_adapter(engine: EngineSettings, name: str) -> bool:
-    """Unload `name`; False when the engine does not have it (nothing to do)."""
-    try:
-        _lora_call(engine, "/unload_lora_adapter", {"lora_name": name})
-    except AdapterPublishError as exc:
-        if absent_adapter(str(exc)):
-            return False
-        raise
-    return True
-
-
-def engine_adapters(engine: EngineSettings) -> set[str]:
-    """The adapters the engine lists (SGLang and `clawrl engine`: `/v1/models` entries with
-    a `parent`)."""
-    with sync_client(engine, 10.0) as client:
-        resp = client.get("/v1/models")
-        resp.raise_for_status()
-    return {m["id"] for m in resp.json().get("data", []) if m.get("parent")}
-
-
+# -- the engine's side: trainer/adapters.py ---------------------------------------------
 def publish_adapter(db: Engine, engine: EngineSettings, user_id: int, version: int,
                     path: Path) -> None:
     """Load a saved adapter version into the engine, then point the user's requests at it

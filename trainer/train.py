@@ -11,6 +11,8 @@ One step, in order — the order is the crash-safety argument:
     4. commit   ONE transaction: training_steps N + policy_versions N ('saved') + samples
                 trained_step = N, committed with the row locks from step 1
     5. publish  /update_weights_from_disk, version read back -> policy_versions 'published'
+                (under LoRA: the version is an adapter, loaded with /load_lora_adapter beside
+                the frozen base: trainer/policy_adapter.py)
 
 Killed before 4: the transaction rolls back, the samples are claimable again, and the
 restart deletes v{N} (no DB row) and retrains them from v{N−1}. Killed after 4: restart
@@ -29,7 +31,6 @@ from pathlib import Path
 from statistics import mean
 from typing import Any
 
-import httpx
 from pydantic import ValidationError
 from sqlalchemy import bindparam, func, select, update
 from sqlalchemy.dialects.postgresql import JSONB
@@ -37,8 +38,6 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import OperationalError
 
 from clawrl.base.db import create_engine
-from clawrl.base.engine_client import sync_client
-from clawrl.base.settings import EngineSettings
 from trainer.backends.base import Backend, BackendError, StepStats, make_backend
 from trainer.checkpoint import (
     drop_old_trainer_states,
@@ -51,7 +50,7 @@ from trainer.data import VERSIONS, Claim, claim_batch, record_step, replay_of
 from trainer.export import CheckpointError, version_dir
 from trainer.gate import Gate, GateResult, load_probe
 from trainer.metrics import TrainerMetrics
-from trainer.publish import PublishError, publish_version, serving_version
+from trainer.serving import RolledBack, ensure_serving, publish
 
 log = logging.getLogger("clawrl.trainer")
 # While no samples arrive, check this often that the engine still serves our version.
@@ -70,59 +69,6 @@ class StopFlag:
 
     def __call__(self) -> bool:
         return self.stop
-
-
-def publish(db: Engine, engine: EngineSettings, cfg: TrainerSettings, version: int,
-            path: Path, metrics: TrainerMetrics) -> bool:
-    """Publish a saved version and mark it 'published'; on failure keep serving the old one."""
-    try:
-        publish_version(engine, path, version, attempts=cfg.publish_attempts,
-                        backoff_s=cfg.publish_backoff_s, timeout_s=cfg.publish_timeout_s)
-    except (PublishError, CheckpointError) as exc:
-        metrics.publish_failures.inc()
-        log.error("v%d not published (engine keeps its current weights): %s", version, exc,
-                  extra={"action": "publish_failed"})
-        return False
-    mark_published(db, version)
-    metrics.version.set(version)
-    return True
-
-
-def mark_published(db: Engine, version: int) -> None:
-    with db.begin() as conn:
-        conn.execute(update(VERSIONS).where(VERSIONS.c.version == version)
-                     .values(status="published", published_at=func.now()))
-
-
-class RolledBack(Exception):
-    """The version this trainer continues from was retired by `clawrl versions rollback`."""
-
-
-def ensure_serving(db: Engine, engine: EngineSettings, cfg: TrainerSettings, current: int,
-                   weights_dir: Path, metrics: TrainerMetrics) -> None:
-    """Make sure the engine serves our newest version (an engine restart loads the base model
-    again; a publish may have failed), and stop if a rollback retired that version."""
-    if current == 0:
-        return
-    with db.connect() as conn:
-        status = conn.execute(select(VERSIONS.c.status)
-                              .where(VERSIONS.c.version == current)).scalar()
-    if status == "retired":
-        raise RolledBack(f"v{current} was retired by a rollback; restart the trainer to "
-                         "continue from the rolled-back version")
-    try:
-        with sync_client(engine, 10.0) as client:
-            serving = serving_version(client)
-    except httpx.HTTPError as exc:
-        log.warning("engine unreachable: %s", exc, extra={"action": "engine_unreachable"})
-        return
-    if serving != str(current):
-        log.warning("engine serves %r, not v%d: publishing again", serving, current,
-                    extra={"action": "republish"})
-        publish(db, engine, cfg, current, version_dir(weights_dir, current), metrics)
-    elif status != "published":  # swapped, but killed before the DB said so
-        mark_published(db, current)
-        metrics.version.set(current)
 
 
 def step_rows(step: int, stats: StepStats, claim: Claim, skipped: Counter[str],
@@ -369,6 +315,8 @@ def resolve_settings(args: argparse.Namespace) -> Settings:
     recipe = {k: v for k, v in model_recipe(settings.model_dir(),
                                             personal=settings.trainer.personal).items()
               if k not in explicit}
+    if settings.trainer.backend == "megatron":  # full weights only (a recipe's LoRA is not)
+        recipe.pop("lora", None)
     if recipe:
         settings.trainer = TrainerSettings.model_validate(settings.trainer.model_dump() | recipe)
         log.info("the model's own training settings (its recipe.json): %s "

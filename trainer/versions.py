@@ -31,10 +31,17 @@ from sqlalchemy import Table, func, select, update
 from sqlalchemy.engine import Engine
 
 from clawrl.base.db import PolicyVersion, create_engine
-from clawrl.base.engine_client import sync_client
+from clawrl.base.engine_client import policy_adapter_version, sync_client
 from clawrl.base.settings import EngineSettings
+from trainer.adapters import AdapterPublishError
 from trainer.config import Settings, load_settings
 from trainer.export import CheckpointError, verify_version, version_dir
+from trainer.policy_adapter import (
+    is_adapter_version,
+    rollback_adapter,
+    served_adapter,
+    unload_all,
+)
 from trainer.publish import PublishError, publish_version, serving_version
 
 PV = cast(Table, PolicyVersion.__table__)
@@ -71,21 +78,17 @@ def list_versions(db: Engine, weights_dir: Path) -> list[dict[str, Any]]:
 def rollback(db: Engine, engine: EngineSettings, weights_dir: Path, version: int,
              attempts: int = 3, base_dir: Path | None = None) -> dict[str, Any]:
     """Publish version N again (0: the base model in `base_dir`) and retire every newer
-    version. Returns the engine's info."""
+    version. Returns the engine's info (an adapter version: its name, `adapter`)."""
+    path = version_dir(weights_dir, version)
+    if (version > 0 and is_adapter_version(path)) or (version == 0 and served_adapter(db)):
+        return rollback_adapter_version(db, engine, path, version)
     if version == 0:
         if base_dir is None or not (base_dir / "config.json").is_file():
             raise VersionsError(f"rollback to v0 needs the base model; none at {base_dir} "
                                 "(set --model or CLAWRL_TRAINER__MODEL)")
         path = base_dir
     else:
-        with db.connect() as conn:
-            row = conn.execute(select(PV.c.status).where(PV.c.version == version)).first()
-        if row is None:
-            raise VersionsError(f"no version {version} (see `clawrl versions list`)")
-        if row.status == "rejected":
-            raise VersionsError(f"v{version} was rejected by the gate before serving (it lost "
-                                "what the base model knew); roll back to another version")
-        path = version_dir(weights_dir, version)
+        _check_rollback_target(db, version)
     try:
         # The base model is a plain Hugging Face folder: no completion marker to verify.
         info = publish_version(engine, path, version, attempts=attempts, verify=version != 0)
@@ -100,6 +103,35 @@ def rollback(db: Engine, engine: EngineSettings, weights_dir: Path, version: int
     return info
 
 
+def rollback_adapter_version(db: Engine, engine: EngineSettings, path: Path,
+                             version: int) -> dict[str, Any]:
+    """Rollback where the shared model is a LoRA adapter (trainer/policy_adapter.py): load
+    version N's adapter and make it the newest published; 0: no adapter (the engine's base
+    weights, which adapters never change), every version retired and unloaded."""
+    if version == 0:
+        with db.begin() as conn:
+            conn.execute(update(PV).where(PV.c.status.not_in(("retired", "rejected")))
+                         .values(status="retired"))
+        unload_all(engine)
+        return {"weight_version": "0", "adapter": None}
+    _check_rollback_target(db, version)
+    try:
+        name = rollback_adapter(db, engine, version, path)
+    except (CheckpointError, AdapterPublishError, httpx.HTTPError) as exc:
+        raise VersionsError(f"rollback to v{version} refused, engine unchanged: {exc}") from exc
+    return {"weight_version": str(version), "adapter": name, "model_path": str(path)}
+
+
+def _check_rollback_target(db: Engine, version: int) -> None:
+    with db.connect() as conn:
+        row = conn.execute(select(PV.c.status).where(PV.c.version == version)).first()
+    if row is None:
+        raise VersionsError(f"no version {version} (see `clawrl versions list`)")
+    if row.status == "rejected":
+        raise VersionsError(f"v{version} was rejected by the gate before serving (it lost "
+                            "what the base model knew); roll back to another version")
+
+
 def prune(db: Engine, engine: EngineSettings, weights_dir: Path, keep: int,
           dry_run: bool = False) -> list[int]:
     """Delete the folders of all versions but the newest `keep` non-retired ones and the
@@ -112,7 +144,10 @@ def prune(db: Engine, engine: EngineSettings, weights_dir: Path, keep: int,
     live = [r.version for r in rows if r.status != "retired"]
     protected = set(live[-keep:])
     serving = engine_serving(engine)
-    if serving is not None and serving.isdigit():
+    adapter = served_adapter(db)
+    if adapter is not None:  # the shared model is an adapter: the proxy serves the newest
+        protected.add(policy_adapter_version(adapter) or 0)  # published version's
+    elif serving is not None and serving.isdigit():
         protected.add(int(serving))
     else:  # engine unreachable: protect what the DB says was published last
         published = [r for r in rows if r.published_at is not None]
@@ -170,13 +205,22 @@ def main(argv: list[str] | None = None) -> int:
         if args.user is not None:
             return _user_command(db, settings, args)
         if args.cmd == "list":
-            print_list(list_versions(db, weights_dir), engine_serving(settings.engine))
+            adapter = served_adapter(db)  # the shared model as an adapter: the proxy's pick
+            serving = (str(policy_adapter_version(adapter)) if adapter is not None
+                       else engine_serving(settings.engine))
+            print_list(list_versions(db, weights_dir), serving)
         elif args.cmd == "rollback":
             if args.version < 0:
                 raise VersionsError(f"no version {args.version} (versions count up from 0)")
             info = rollback(db, settings.engine, weights_dir, args.version,
                             base_dir=args.model or settings.model_dir())
-            print(f"engine now serves v{info.get('weight_version')} from {info.get('model_path')}")
+            if "adapter" in info:
+                print(f"the proxy now serves v{info['weight_version']} "
+                      f"({info['adapter'] or 'the base model, no adapter'}) within "
+                      "seconds")
+            else:
+                print(f"engine now serves v{info.get('weight_version')} from "
+                      f"{info.get('model_path')}")
         else:
             pruned = prune(db, settings.engine, weights_dir, args.keep, args.dry_run)
             verb = "would prune" if args.dry_run else "pruned"
@@ -192,7 +236,6 @@ def main(argv: list[str] | None = None) -> int:
 def _user_command(db: Engine, settings: Settings, args: argparse.Namespace) -> int:
     """`--user NAME`: list, roll back or prune one user's adapter versions."""
     from trainer.personal import (
-        AdapterPublishError,
         list_user_versions,
         prune_user,
         rollback_user,

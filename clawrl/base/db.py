@@ -369,6 +369,11 @@ class PolicyVersion(Base):
     stats: Mapped[Any] = mapped_column(JSONB, server_default=text("'{}'::jsonb"))
     created_at: Mapped[dt.datetime] = _now()
     published_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+    # The engine's name of this version's LoRA adapter (`policy-v{N}`), set when it is
+    # published, when the shared model learns as an adapter on the frozen base
+    # (trainer/policy_adapter.py); NULL: a full-weight version. The proxy serves users
+    # without an adapter of their own the newest published version's adapter.
+    adapter: Mapped[str | None] = mapped_column(Text)
 
 
 class UserAdapter(Base):

@@ -285,6 +285,11 @@ class EngineClient:
         _raise_for_status(response)
         raise EngineProtocolError("/update_weights_from_disk: answer lacks 'success'")
 
+    async def adapters(self) -> set[str]:
+        """The LoRA adapters the engine has loaded (`/v1/models` entries with a `parent`)."""
+        data = (await self._json("GET", "/v1/models")).get("data") or []
+        return {str(m["id"]) for m in data if isinstance(m, dict) and m.get("parent")}
+
     async def unload_lora_adapter(self, name: str) -> bool:
         """Unload a LoRA adapter (it waits for the requests using it); False when the engine
         does not have it."""
@@ -326,6 +331,22 @@ class EngineClient:
             return "busy"
         _raise_for_status(response)
         return "ok"
+
+
+# The shared model's versions, when it learns as a LoRA adapter (trainer/policy_adapter.py),
+# are loaded under these names: a new version, a new name, so no request sees a half-swapped
+# adapter; the version is read back from the name (clawrl/eval/rounds.py).
+POLICY_ADAPTER_PREFIX = "policy-v"
+
+
+def policy_adapter_name(version: int) -> str:
+    return f"{POLICY_ADAPTER_PREFIX}{version}"
+
+
+def policy_adapter_version(name: str) -> int | None:
+    """The shared-model version an adapter name stands for; None: not a shared-model adapter."""
+    rest = name.removeprefix(POLICY_ADAPTER_PREFIX)
+    return int(rest) if rest != name and rest.isdigit() else None
 
 
 def absent_adapter(message: str) -> bool:

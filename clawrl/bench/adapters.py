@@ -32,7 +32,12 @@ written by `TorchBackend.save_adapter` (PEFT folder + optimizer state).
    1-token base-model /generate requests back to back; the pause is the longest probe
    overlapping the load and first request minus the median probe (clawrl/bench/trainer.py's swap
    pause). Reported: medians of each part, and full weights / adapter as the median of the
-   per-round ratios (end to end) and the ratio of the median pauses.
+   per-round ratios (end to end) and the ratio of the median pauses. The shared model's
+   adapter version (trainer/policy_adapter.py) is timed beside them the same way: the
+   trainer's `save_checkpoint` of the LoRA backend (the adapter folder with its optimizer
+   and RNG state, marker last), `/load_lora_adapter` as `policy-vN`, the first request
+   naming it; the version before the previous is unloaded after (untimed), as the shared
+   trainer does (the `policy_versions` UPDATE that names it is not timed).
 
 Figures are medians over rounds, measured side by side in one run.
 """
@@ -58,13 +63,15 @@ import httpx
 import psutil
 import torch
 
+from clawrl.base.engine_client import policy_adapter_name
 from clawrl.base.settings import EngineSettings
 from clawrl.bench.trainer import EngineStartError, Prober, engine_process, synthetic_batch
 from clawrl.world.pretrain import PREBUILT_DIR
+from trainer.adapters import AdapterPublishError, load_adapter, unload_adapter
 from trainer.backends.torch import TorchBackend
 from trainer.checkpoint import save_checkpoint
 from trainer.config import LoraSettings, TrainerSettings
-from trainer.personal import AdapterPublishError, load_adapter, unload_adapter
+from trainer.policy_adapter import ensure_loaded
 from trainer.publish import PublishError, publish_version
 
 PROG = "clawrl bench adapters"
@@ -209,18 +216,24 @@ def publish_rounds(url: str, model: Path, work: Path, rounds: int) -> dict[str, 
 
     previous: str | None = None
     for n in range(1, rounds + 1):
-        name = f"bench-v{n}"
+        name, shared = f"bench-v{n}", policy_adapter_name(n)
         lora.train_step(batch)
         full.train_step(batch)
         sides: list[tuple[str, Callable[[], Path], Callable[[Path], object], str | None]] = [
             ("a", partial(save_lora, work / "adapters" / f"v{n}"),
              partial(load_adapter, engine, name), name),
+            # The shared model's version as the shared trainer writes and publishes it:
+            # the version folder (adapter + trainer_state + RNG, marker last), then loaded.
+            ("s", partial(save_checkpoint, lora, work / "shared", n, model),
+             partial(ensure_loaded, engine, shared), shared),
             ("f", partial(save_checkpoint, full, work / "weights", n, model),
              partial(publish_version, engine, version=n), None)]
-        for prefix, save, load, lora_name in sides[:: 1 - 2 * (n % 2)]:
+        for prefix, save, load, lora_name in sides[n % 3:] + sides[:n % 3]:
             timed(prefix, save, load, lora_name)
         if previous is not None:  # as publish_adapter does, once the new one serves
             unload_adapter(engine, previous)
+        if n > 2:  # as publish_adapter_version does: the previous version stays loaded
+            unload_adapter(engine, policy_adapter_name(n - 2))
         previous = name
     return out
 
@@ -273,6 +286,10 @@ def run(args: argparse.Namespace, work: Path) -> None:
           f"{ms('a_load'):.0f} ms  first request {ms('a_first'):.0f} ms  end to end "
           f"{ms('a_e2e'):.0f} ms  pause {ms('a_pause'):.0f} ms (max "
           f"{1e3 * max(p['a_pause']):.0f})")
+    print(f"publish to serving, shared-model adapter version: save {ms('s_save'):.0f} ms  "
+          f"load {ms('s_load'):.0f} ms  first request {ms('s_first'):.0f} ms  end to end "
+          f"{ms('s_e2e'):.0f} ms  pause {ms('s_pause'):.0f} ms (max "
+          f"{1e3 * max(p['s_pause']):.0f})")
     print(f"publish to serving, full weights: save {ms('f_save'):.0f} ms  update "
           f"{ms('f_load'):.0f} ms  first request {ms('f_first'):.0f} ms  end to end "
           f"{ms('f_e2e'):.0f} ms  pause {ms('f_pause'):.0f} ms (max "
@@ -281,6 +298,10 @@ def run(args: argparse.Namespace, work: Path) -> None:
     pause = f"{ms('f_pause') / ms('a_pause'):.1f}x" if ms("a_pause") > 0 else \
         "n/a (the adapter caused no measurable pause)"
     print(f"full weights / adapter: end to end {e2e:.1f}x, pause {pause}")
+    e2e = statistics.median(f / a for f, a in zip(p["f_e2e"], p["s_e2e"], strict=True))
+    pause = f"{ms('f_pause') / ms('s_pause'):.1f}x" if ms("s_pause") > 0 else \
+        "n/a (the adapter caused no measurable pause)"
+    print(f"full weights / shared-model adapter version: end to end {e2e:.1f}x, pause {pause}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -84,7 +84,7 @@ def pull_model(name: str, out: Path, *, force: bool = False) -> Path:
     """
     if is_pulled(out) and not force:
         write_sampling(out, MODELS[name].sampling if name in MODELS else {})
-        write_gate_probe(out)
+        write_recipe(out)
         return out
     src = gguf_path(name)
     if importlib.util.find_spec("gguf") is None:
@@ -99,7 +99,7 @@ def pull_model(name: str, out: Path, *, force: bool = False) -> Path:
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
     write_sampling(tmp, MODELS[name].sampling)
-    write_gate_probe(tmp)
+    write_recipe(tmp)
     (tmp / DONE_MARKER).write_text(f"{name} from {src.name}\n", encoding="utf-8")
     if is_pulled(out) and not force:
         # Another pull (a second `clawrl up`, a parallel test worker) finished first and may
@@ -129,14 +129,31 @@ def write_sampling(model_dir: Path, sampling: dict[str, float]) -> None:
 GATE_PROBE = Path(__file__).parent / "probes" / "general-facts.jsonl"
 
 
-def write_gate_probe(model_dir: Path) -> None:
-    """Name the general-facts probe in the model's recipe.json (trainer/config.py), with a
-    copy beside the weights; a recipe the user wrote is left alone."""
+# How a pulled model trains (trainer/config.py reads recipe.json's "train" as settings): a
+# LoRA adapter on the frozen base, published with `/load_lora_adapter` (trainer/
+# policy_adapter.py) rather than the whole model swapped in; an adapter starts at B = 0 and
+# moves only its low-rank factors, so it takes a larger step than full weights' 2e-5.
+PULLED_RECIPE: dict[str, Any] = {"gate_probe": "probe.jsonl",
+                                 "train": {"lora": {"enabled": True}, "adapter_lr": 2e-4}}
+# What earlier pulls wrote: a recipe equal to one of these is brought up to date.
+EARLIER_RECIPES: list[dict[str, Any]] = [{"gate_probe": "probe.jsonl"}]
+
+
+def write_recipe(model_dir: Path) -> None:
+    """The model's recipe.json (trainer/config.py): the general-facts probe for the gate,
+    copied beside the weights, and how it trains. A recipe the user wrote is left alone; one
+    an earlier pull wrote is brought up to date."""
     recipe = model_dir / "recipe.json"
     if recipe.is_file():
-        return
-    shutil.copyfile(GATE_PROBE, model_dir / "probe.jsonl")
-    write_json(recipe, {"gate_probe": "probe.jsonl"})
+        try:
+            written = json.loads(recipe.read_text())
+        except ValueError:
+            return  # not ours to repair
+        if written == PULLED_RECIPE or written not in EARLIER_RECIPES:
+            return
+    if not (model_dir / "probe.jsonl").is_file():
+        shutil.copyfile(GATE_PROBE, model_dir / "probe.jsonl")
+    write_json(recipe, PULLED_RECIPE)
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:

@@ -188,9 +188,27 @@ async def _engine_version(engine: Any) -> Any:
         raise StackError(f"the engine's /model_info {what}{hint}") from exc
 
 
+async def _adapter_version(engine: Any) -> int | None:
+    """The shared model's newest version the engine holds as a LoRA adapter (`policy-vN`,
+    trainer/policy_adapter.py; older ones are unloaded as new ones come), or None."""
+    from clawrl.base.engine_client import EngineClientError, policy_adapter_version
+
+    try:
+        names = await engine.adapters()
+    except EngineClientError:
+        return None
+    versions = [v for v in map(policy_adapter_version, names) if v is not None]
+    return max(versions) if versions else None
+
+
 async def serving_version(engine_url: str) -> str:
+    """The shared model's served version: its adapter's when it learns as one, else the
+    engine's weight_version."""
     async with _engine(engine_url) as engine:
         version = await _engine_version(engine)
+        adapter = await _adapter_version(engine)
+    if adapter is not None:
+        return str(adapter)
     # The base model serves under the engine's initial label ("default"): call it version 0.
     return "0" if version in (None, "default") else str(version)
 
@@ -297,6 +315,11 @@ async def wait_published(db: Any, method: str, engine_url: str, after: int,
                 return newest
             serving = await _engine_version(engine)
             if newest > after and str(newest) == str(serving):
+                return newest
+            if newest > after and await _adapter_version(engine) == newest:
+                # The shared model's adapter: loaded before its row said 'published'; the
+                # proxy reads the row within its key cache's time to live.
+                await asyncio.sleep(CACHE_TTL_S + 0.5)
                 return newest
             if await _newest_rejected(db) > rejected:  # the gate kept the served version
                 return after

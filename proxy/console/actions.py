@@ -78,15 +78,23 @@ async def _turns_by_version(request: Request) -> dict[str, dict[str, Any]]:
     return {str(r["version"]): r for r in tally.rows()}
 
 
+async def serving_version(request: Request) -> str | None:
+    """The version users are served: the shared model's adapter version when it learns as
+    one, else the engine's weight_version."""
+    async with request.app.state.db.connect() as conn:
+        adapter = await queries.served_adapter_version(conn)
+    upstream = getattr(request.app.state, "upstream", None)
+    return adapter or (upstream.weight_version if upstream else None)
+
+
 @actions.get("/versions")
 async def versions_page(request: Request) -> Response:
     session = await require_session(request)
     async with request.app.state.db.connect() as conn:
         versions = await queries.list_versions(conn)
-    upstream = getattr(request.app.state, "upstream", None)
     return render(request, "versions.html", session=session, versions=versions,
                   by_version=await _turns_by_version(request),
-                  serving=upstream.weight_version if upstream else None,
+                  serving=await serving_version(request),
                   note=request.query_params.get("note"))
 
 
@@ -104,9 +112,8 @@ async def rollback_confirm(request: Request, version: int) -> Response:
             "SELECT 1 FROM policy_versions WHERE version = :v"), {"v": version})).first()
     if not exists:
         raise BadRequest(f"No version {version}.", code="version_not_found")
-    upstream = getattr(request.app.state, "upstream", None)
     return render(request, "rollback.html", session=session, version=version, newer=newer,
-                  serving=upstream.weight_version if upstream else None)
+                  serving=await serving_version(request))
 
 
 class RollbackRefused(Exception):
@@ -147,10 +154,9 @@ async def rollback(request: Request, version: int) -> Response:
     except RollbackRefused as exc:
         return _back("/console/versions", f"Rollback refused: {exc}")
     upstream = getattr(request.app.state, "upstream", None)
-    serving = None
     if upstream is not None:
         await upstream.model_info()  # the serving version, at once rather than at next poll
-        serving = upstream.weight_version
+    serving = await serving_version(request)
     return _back("/console/versions",
                  f"The engine now serves v{version if serving is None else serving}.")
 

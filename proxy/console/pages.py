@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse, RedirectResponse, StreamingResponse
 
 from clawrl.base.errors import BadRequest, Forbidden, NotFound
 from proxy.console import queries
-from proxy.console.actions import actions
+from proxy.console.actions import actions, serving_version
 from proxy.console.render import (
     HERE,
     SECURITY_HEADERS,
@@ -182,9 +182,8 @@ async def overview_data(request: Request) -> dict[str, Any]:
     last = state.requests_sample
     state.requests_sample = (now, count)
     rate = (count - last[1]) / (now - last[0]) if last and now - last[0] >= 0.5 else None
-    upstream = getattr(request.app.state, "upstream", None)
     data.update(turns=state.tally.total_turns, requests_per_s=rate, requests_total=count,
-                serving_version=upstream.weight_version if upstream else None,
+                serving_version=await serving_version(request),
                 reward_by_version=state.tally.rows())
     cleaned: dict[str, Any] = _clean(data)
     return cleaned

@@ -20,6 +20,16 @@ PAGE_SIZE = 50
 REWARD_FILTERS = ("1", "0", "-1", "abstained", "unjudged")
 
 
+async def served_adapter_version(conn: AsyncConnection) -> str | None:
+    """The shared model's served version when it is a LoRA adapter (the newest published
+    version names one, trainer/policy_adapter.py): the engine's own weight_version then
+    names the base it serves. None: the engine's label is the served version."""
+    row = (await conn.execute(text(
+        "SELECT version, adapter FROM policy_versions WHERE status = 'published' "
+        "ORDER BY version DESC LIMIT 1"))).first()
+    return str(row.version) if row is not None and row.adapter is not None else None
+
+
 @dataclass(frozen=True)
 class TurnFilter:
     user: str | None = None

@@ -45,11 +45,14 @@ def test_bench_adapters_prints_every_figure() -> None:
     assert per_adapter > 0 and grown > 0
     # rank 16 on q,k,v,o,gate,up,down of the 4-layer, 128-wide model: 180,224 float32 values
     assert tensors == pytest.approx(180_224 * 4 / 2**20, abs=1e-3) and file >= tensors
-    for side, load in (("adapter \\(3 resident\\)", "load"), ("full weights", "update")):
+    for side, load in (("adapter \\(3 resident\\)", "load"),
+                       ("shared-model adapter version", "load"), ("full weights", "update")):
         figures = _num(rf"publish to serving, {side}: save {NUM} ms  {load} {NUM} ms  first "
                        rf"request {NUM} ms  end to end {NUM} ms  pause {NUM} ms", out)
         assert figures[3] > 0 and figures[3] >= figures[1] and figures[4] >= 0
     assert re.search(r"full weights / adapter: end to end [\d.]+x, pause ", out), out
+    assert re.search(r"full weights / shared-model adapter version: end to end [\d.]+x, "
+                     r"pause ", out), out
 
 
 @pytest.mark.parametrize(("args", "message"), [

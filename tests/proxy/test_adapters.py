@@ -43,8 +43,9 @@ def publish(db_url: str, user_id: int, name: str, version: int, path: Path,
           user_id, name, version, str(path), loaded)
 
 
-def served(db_url: str, uid: str) -> tuple[Any, ...]:
-    rows = query(db_url, "SELECT adapter, adapter_version, response_ids, status FROM turns "
+def served(db_url: str, uid: str, last: str = "status") -> tuple[Any, ...]:
+    """The turn's adapter, adapter_version, response_ids and `last` (a column)."""
+    rows = query(db_url, f"SELECT adapter, adapter_version, response_ids, {last} FROM turns "
                          "WHERE uid = %s", uuid.UUID(uid))
     assert len(rows) == 1
     return rows[0]
@@ -111,3 +112,60 @@ async def test_the_proxy_serves_each_user_their_adapter(
     await proxy.settle()
     assert served(db_url, uid) == ("user-alice-v2", 2, v2, "ok")
     assert served(db_url, uid_base) == (None, None, base, "ok")
+
+
+async def test_users_without_their_own_adapter_get_the_shared_models_adapter(
+        proxy_factory: ProxyFactory, db_url: str, engine_factory: Any,
+        tiny_model_dir: Path, adapter_dirs: list[Path],
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The shared model learning as an adapter (trainer/policy_adapter.py): the newest
+    published version's adapter serves every user without one of their own, and the turn's
+    policy version is that version (the engine's label names the base); a user's own adapter
+    wins; an adapter the engine lacks falls back to the base, logged, with the base's label."""
+    engine = engine_factory(tiny_model_dir)
+    async with httpx.AsyncClient(base_url=engine, timeout=60) as http:
+        for name, path in (("policy-v3", adapter_dirs[0]), ("user-alice-v1", adapter_dirs[1])):
+            r = await http.post("/load_lora_adapter", json={"lora_name": name,
+                                                            "lora_path": str(path)})
+            assert r.status_code == 200, r.text
+    base, shared, own = (direct_ids(engine, lora) for lora in (None, "policy-v3",
+                                                               "user-alice-v1"))
+    assert len({tuple(base), tuple(shared), tuple(own)}) == 3
+    alice, alice_key = create_user(db_url, "alice")
+    _, dave_key = create_user(db_url, "dave")
+    publish(db_url, alice, "user-alice-v1", 1, adapter_dirs[1])
+    # v3 is the newest published version; v4 the gate rejected (never served).
+    for version, status, adapter in ((2, "published", "policy-v2"),
+                                     (3, "published", "policy-v3"), (4, "rejected", None)):
+        query(db_url, "INSERT INTO policy_versions (version, path, status, adapter) "
+                      "VALUES (%s, '/v', %s, %s) RETURNING version", version, status, adapter)
+    proxy = await proxy_factory(engine)
+
+    async def ask(key: str) -> str:
+        async with proxy.client(key) as client:
+            raw = await client.chat.completions.with_raw_response.create(
+                model="default", messages=MESSAGES, **GREEDY)
+            return raw.headers["x-clawrl-turn-id"]
+
+    dave, alice_turn = await ask(dave_key), await ask(alice_key)
+    await proxy.settle()
+    assert served(db_url, dave, "weight_version") == ("policy-v3", None, shared, "3")
+    assert served(db_url, alice_turn, "weight_version") == ("user-alice-v1", 1, own, "default")
+
+    # The engine lost the adapter (restarted): the base serves, and says so in the log.
+    async with httpx.AsyncClient(base_url=engine, timeout=60) as http:
+        r = await http.post("/unload_lora_adapter", json={"lora_name": "policy-v3"})
+        assert r.status_code == 200, r.text
+    with caplog.at_level("WARNING"):
+        fallback = await ask(dave_key)
+    await proxy.settle()
+    assert served(db_url, fallback, "weight_version") == (None, None, base, "default")
+    assert any(getattr(rec, "action", None) == "adapter_fallback" and "policy-v3" in
+               rec.getMessage() for rec in caplog.records)
+
+    # Rolled back to the base model (every version retired): no adapter within the TTL.
+    query(db_url, "UPDATE policy_versions SET status = 'retired' RETURNING version")
+    await asyncio.sleep(2.5)
+    after = await ask(dave_key)
+    await proxy.settle()
+    assert served(db_url, after, "weight_version") == (None, None, base, "default")

@@ -163,7 +163,7 @@ def test_failed_export_leaves_no_folder(tiny_model_dir: Path, tmp_path: Path) ->
     assert list(tmp_path.iterdir()) == []
 
 
-def test_lora_trains_adapters_and_exports_a_merged_plain_model(
+def test_lora_trains_adapters_and_exports_the_adapter_or_a_merged_plain_model(
         tiny_model_dir: Path, tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -171,7 +171,13 @@ def test_lora_trains_adapters_and_exports_a_merged_plain_model(
     batch = on_policy_batch(b, [1, -1, 1])
     for _ in range(3):
         assert b.train_step(batch).status == "ok"
-    path = write_version(tmp_path, 1, b.export, tiny_model_dir)
+    # The version the engine serves: the adapter alone (a PEFT folder), no tokenizer copies.
+    adapter = write_version(tmp_path, 1, b.export, tiny_model_dir)
+    assert sorted(p.name for p in adapter.iterdir()) == [
+        "README.md", "adapter_config.json", "adapter_model.safetensors",
+        "clawrl_complete.json"]
+    verify_version(adapter)
+    path = write_version(tmp_path, 2, b.export_merged, tiny_model_dir)
     merged = AutoModelForCausalLM.from_pretrained(str(path))
     assert not any("lora" in k for k in merged.state_dict())
     # The merged plain model computes what the adapter model computes.
@@ -185,15 +191,17 @@ def test_lora_trains_adapters_and_exports_a_merged_plain_model(
         assert not torch.allclose(base(input_ids=ids).logits, got, atol=1e-4)
 
 
-def test_lora_state_round_trip_restores_adapters_and_optimizer(
+def test_lora_checkpoint_round_trip_restores_adapters_and_optimizer(
         tiny_model_dir: Path, tmp_path: Path) -> None:
+    from trainer.checkpoint import load_checkpoint, save_checkpoint
+
     lora = LoraSettings(enabled=True, r=4, alpha=8)
     a = backend(tiny_model_dir, lora=lora)
     batch = on_policy_batch(a, [1, -1])
     a.train_step(batch)
-    a.save_state(tmp_path / "state")
-    b = backend(tiny_model_dir, lora=lora)
-    b.load_state(tmp_path / "state")
+    path = save_checkpoint(a, tmp_path, 1, tiny_model_dir)
+    b = TorchBackend(a.cfg)
+    load_checkpoint(b, a.cfg, tiny_model_dir, path)
     with torch.no_grad():
         ids = batch.input_ids[:1]
         assert torch.equal(a.model(input_ids=ids).logits,  # type: ignore[misc]

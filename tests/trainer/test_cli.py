@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -170,3 +171,45 @@ def test_the_tiny_world_learns_its_own_corpus_as_ptx_data_unless_given_a_file(
         ["--model", str(PREBUILT_CI.parent / "tinyworld-tools")])).trainer
     assert (agent.lr, agent.reward_baseline, agent.ptx_coef) == (TOOLS_RECIPE["lr"], "batch_mean", 0.5)
     assert agent.ptx_data == PREBUILT_CI.parent / "tinyworld-tools" / "ptx.jsonl"
+
+
+def test_a_pulled_model_learns_as_an_adapter_unless_told_otherwise(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`clawrl models pull` writes a recipe.json that trains a real model as a LoRA adapter
+    (published with /load_lora_adapter, trainer/policy_adapter.py); a recipe an earlier pull
+    wrote is brought up to date, one the user wrote is left alone; the environment wins, and
+    megatron (full weights only) trains full weights; the tiny world keeps full weights."""
+    from clawrl.engine.pretrained import PULLED_RECIPE, write_recipe
+    from trainer.train import build_parser, resolve_settings
+
+    for name in [k for k in os.environ if k.startswith("CLAWRL_TRAINER__")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("CLAWRL_STATE_DIR", str(tmp_path))
+    model = tmp_path / "pulled"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    write_recipe(model)
+    assert json.loads((model / "recipe.json").read_text()) == PULLED_RECIPE
+    args = build_parser().parse_args(["--model", str(model)])
+    got = resolve_settings(args).trainer
+    assert got.lora.enabled and got.lora.r == 16 and got.adapter_lr == 2e-4
+    assert got.gate_probe == model / "probe.jsonl" and got.gate_probe.is_file()
+
+    # An earlier pull's recipe (the gate's probe only): brought up to date.
+    (model / "recipe.json").write_text(json.dumps({"gate_probe": "probe.jsonl"}))
+    write_recipe(model)
+    assert json.loads((model / "recipe.json").read_text()) == PULLED_RECIPE
+    # A recipe the user wrote: untouched.
+    mine = {"gate_probe": "probe.jsonl", "train": {"lr": 1e-5}}
+    (model / "recipe.json").write_text(json.dumps(mine))
+    write_recipe(model)
+    assert json.loads((model / "recipe.json").read_text()) == mine
+    (model / "recipe.json").write_text(json.dumps(PULLED_RECIPE))
+
+    monkeypatch.setenv("CLAWRL_TRAINER__LORA__ENABLED", "false")
+    assert not resolve_settings(args).trainer.lora.enabled
+    monkeypatch.delenv("CLAWRL_TRAINER__LORA__ENABLED")
+    megatron = build_parser().parse_args(["--model", str(model), "--backend", "megatron"])
+    assert not resolve_settings(megatron).trainer.lora.enabled
+    tiny = resolve_settings(build_parser().parse_args(["--model", str(PREBUILT_CI)])).trainer
+    assert not tiny.lora.enabled

@@ -369,11 +369,9 @@ def test_full_step_exports_and_hot_swaps_with_streams_in_flight(
 
 
 @pytest.mark.slow
-def test_lora_step_is_merged_on_export_and_published(
+def test_lora_step_is_published_as_an_adapter(
         tmp_path: Path, db_url: str, db: Engine, add_sample: SampleFactory,
         smollm2_dir: Path, engine_factory: Callable[..., str]) -> None:
-    from safetensors.torch import load_file
-
     from trainer.train import train
 
     url = engine_factory(smollm2_dir)
@@ -391,14 +389,19 @@ def test_lora_step_is_merged_on_export_and_published(
     assert metrics["kl"] == pytest.approx(0.0, abs=1e-6)  # adapter starts as a no-op
     assert versions(db) == {1: "published"}
     v1 = cfg.weights_dir() / "v000001"
-    assert not (v1 / "adapter_config.json").exists()  # merged: the engine gets a plain model
-    base, merged = load_file(str(smollm2_dir / "model.safetensors")), \
-        load_file(str(v1 / "model.safetensors"))
-    assert merged.keys() == base.keys()
-    changed = {n for n in base if not (merged[n] == base[n]).all()}
-    assert changed and all(n.endswith("_proj.weight") for n in changed)  # LoRA targets only
-    trained, version = score(url, fixed["prompt_ids"], fixed["response_ids"])
-    assert version == "1" and trained != pytest.approx(before, abs=1e-6)
+    # The adapter alone (a few MB), loaded beside the base: the base weights never move.
+    assert (v1 / "adapter_model.safetensors").is_file() and not (v1 / "model.safetensors").exists()
+    assert (v1 / "adapter_model.safetensors").stat().st_size < 20e6
+    models = httpx.get(url + "/v1/models", timeout=10).json()["data"]
+    assert {m["id"] for m in models if m.get("parent")} == {"policy-v1"}
+    unchanged, version = score(url, fixed["prompt_ids"], fixed["response_ids"])
+    assert version == "default" and unchanged == before
+    r = httpx.post(url + "/generate", timeout=60, json={
+        "input_ids": fixed["prompt_ids"] + fixed["response_ids"], "return_logprob": True,
+        "logprob_start_len": len(fixed["prompt_ids"]) - 1, "lora_path": "policy-v1",
+        "sampling_params": {"max_new_tokens": 0}})
+    trained = [t[0] for t in r.json()["meta_info"]["input_token_logprobs"][1:]]
+    assert trained != pytest.approx(before, abs=1e-6)
 
 
 # --------------------------------------------------------------------------- megatron
@@ -487,3 +490,5 @@ def test_the_pulled_model_comes_with_its_sampling_and_its_gate(
     got = resolve_settings(build_parser().parse_args(["--model", str(smollm2_dir)])).trainer
     assert got.gate_probe == smollm2_dir / "probe.jsonl"
     assert len(load_probe(got.gate_probe)) == 40 and got.gate_max_drop == 0.05
+    # It learns as a LoRA adapter on the frozen base (trainer/policy_adapter.py).
+    assert got.lora.enabled and got.adapter_lr == 2e-4

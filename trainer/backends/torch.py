@@ -6,7 +6,8 @@ backward → clip the global grad norm → AdamW step. If any micro loss or the 
 NaN/inf, gradients are dropped and neither weights nor optimizer state change.
 
 With LoRA (peft), only adapters train; the KL reference is the same network with adapters
-disabled (no second copy), and `export` writes the merged plain model.
+disabled (no second copy), and `export` writes the adapter alone (a PEFT folder the engine
+loads beside the base); `export_merged` writes the merged plain model.
 """
 
 from __future__ import annotations
@@ -298,22 +299,21 @@ class TorchBackend:
 
     # -- files -------------------------------------------------------------------------------
     def export(self, out_dir: Path) -> None:
-        model = self._model()
-        if self.cfg.lora.enabled:
-            # Merge into a copy: the live model keeps its separate adapters for training.
-            merged = copy.deepcopy(model).merge_and_unload()  # type: ignore[operator]
-            merged.save_pretrained(str(out_dir))
-        else:
-            model.save_pretrained(str(out_dir))  # type: ignore[operator]
+        """The version the engine serves: under LoRA the adapter alone, a PEFT folder the
+        engine loads beside the frozen base (trainer/policy_adapter.py); else the model."""
+        self._model().save_pretrained(str(out_dir))  # type: ignore[operator]
+
+    def export_merged(self, out_dir: Path) -> None:
+        """The adapter merged into a copy of the base, as a plain model folder (the live
+        model keeps its separate adapters for training)."""
+        merged = copy.deepcopy(self._model()).merge_and_unload()  # type: ignore[operator]
+        merged.save_pretrained(str(out_dir))
 
     def save_state(self, state_dir: Path) -> None:
+        """The optimizer's state (an adapter's weights are the version folder's own)."""
         assert self.optimizer is not None
         state_dir.mkdir(parents=True, exist_ok=True)
         torch.save(self.optimizer.state_dict(), state_dir / OPTIMIZER_FILE)
-        if self.cfg.lora.enabled:
-            trainable = {n: p.detach().cpu() for n, p in self._model().named_parameters()
-                         if p.requires_grad}
-            torch.save(trainable, state_dir / ADAPTER_FILE)
 
     # -- personal adapters (trainer/personal.py): one LoRA at a time in the live model ---------
     def fresh_adapter(self, seed: int) -> None:
@@ -332,7 +332,8 @@ class TorchBackend:
         self._new_optimizer()
 
     def load_adapter(self, adapter_dir: Path) -> None:
-        """A user's saved adapter (PEFT folder) and its optimizer state into the live model."""
+        """A saved adapter (PEFT folder: a user's, or a shared-model version's) and its
+        optimizer state into the live model."""
         from peft import set_peft_model_state_dict
         from safetensors.torch import load_file
 
@@ -363,8 +364,10 @@ class TorchBackend:
         torch.save(self.optimizer.state_dict(), adapter_dir / "trainer_state" / OPTIMIZER_FILE)
 
     def load_state(self, state_dir: Path) -> None:
+        """Optimizer state, and under LoRA the adapter a merged version's state kept (a
+        version written before versions were adapter folders)."""
         assert self.optimizer is not None
-        if self.cfg.lora.enabled:
+        if self.cfg.lora.enabled and (state_dir / ADAPTER_FILE).is_file():
             adapters = torch.load(state_dir / ADAPTER_FILE, map_location=self.device)
             missing = self._model().load_state_dict(adapters, strict=False).unexpected_keys
             if missing:
