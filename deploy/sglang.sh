@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Serve the policy with SGLang (GPU machine) so clawrl's proxy, judge and trainer can use it.
-# The trainer publishes new weights with /update_weights_from_disk, so the checkpoint folder
-# (CLAWRL_STATE_DIR/weights) must be visible to this server at the same path.
+# The trainer publishes new weights with /update_weights_from_disk, or a LoRA adapter with
+# /load_lora_adapter, so the checkpoint folder (CLAWRL_STATE_DIR/weights) must be visible to
+# this server at the same path.
 #
 # Whoever reaches this port can generate unlogged and load their own weights, so:
 # - it listens on 127.0.0.1 unless HOST says otherwise;
@@ -56,11 +57,21 @@ parser_args=()
 preferred=$(python -c 'import json,sys; c=json.load(open(sys.argv[1]+"/generation_config.json")); p={k:c[k] for k in ("temperature","top_p","top_k","min_p") if isinstance(c.get(k),(int,float))}; print(json.dumps(p) if p else "")' "$MODEL" 2>/dev/null || true)
 sampling_args=()
 [[ -n "$preferred" ]] && sampling_args+=(--preferred-sampling-params "$preferred")
+# LoRA adapters: the shared model's versions (a real model learns as an adapter) and personal
+# adapters are loaded with /load_lora_adapter, which SGLang refuses unless it starts with LoRA
+# on and the largest rank and target modules it must hold (clawrl trains rank 16 on every
+# projection: CLAWRL_TRAINER__LORA__R). LORA=0 leaves it off (full-weight training).
+lora_args=()
+if [[ "${LORA:-1}" != "0" ]]; then
+    lora_args=(--enable-lora --max-lora-rank "${LORA_RANK:-${CLAWRL_TRAINER__LORA__R:-16}}"
+               --lora-target-modules all)
+fi
 exec python -m sglang.launch_server \
     --model-path "$MODEL" \
     --host "$HOST" --port "$PORT" \
     --weight-version 0 \
     "${parser_args[@]}" \
     "${sampling_args[@]}" \
+    "${lora_args[@]}" \
     "${key_args[@]}" \
     "$@"
