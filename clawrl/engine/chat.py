@@ -24,7 +24,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from clawrl.engine.grammar import chat_spec, named_tool
+from clawrl.engine.grammar import chat_spec, offered
 from clawrl.engine.protocol import (
     ChatCompletionRequest,
     EngineError,
@@ -100,10 +100,7 @@ def prompt_ids(engine: Engine, req: ChatCompletionRequest) -> list[int]:
             prefix = messages.pop()["content"]
         else:
             messages[-1] = {"role": "user", "content": messages[-1]["content"]}
-    tools: Any = req.tools if req.tools and req.tool_choice != "none" else None
-    name = named_tool(req.tool_choice)
-    if tools and name is not None:  # SGLang offers only the function a request names
-        tools = [t for t in tools if (t.get("function") or {}).get("name") == name]
+    tools: Any = offered(req.tools, req.tool_choice)
     if not engine.renders_tools and (tools or any(
             m.get("tool_calls") or m["role"] == "tool" for m in messages)):
         messages, tools = render_tool_messages(messages, tools), None

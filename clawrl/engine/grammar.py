@@ -71,12 +71,18 @@ def json_grammar(schema: str | dict[str, Any], what: str = "json_schema") -> str
     return str(grammar).replace(_LOOSE_CHARS, _STRICT_CHARS)
 
 
+def _function(tool: Any) -> dict[str, Any]:
+    """A tool's `function` object ({} when it has none)."""
+    fn = tool.get("function") if isinstance(tool, dict) else None
+    return fn if isinstance(fn, dict) else {}
+
+
 def _call_tags(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One structural tag per function: `<tool_call>\\n{"name": NAME, "arguments": ` then its
     arguments, then `}\\n</tool_call>` (what clawrl/engine/tools.py renders)."""
     tags = []
     for tool in tools:
-        fn = tool.get("function") or {}
+        fn = _function(tool)
         if not isinstance(fn.get("name"), str):
             raise EngineError("tools: each function needs a name")
         begin = f'{TOOL_OPEN}\n{{"name": {json.dumps(fn["name"], ensure_ascii=False)}, ' \
@@ -113,6 +119,15 @@ def named_tool(tool_choice: Any) -> str | None:
     return name
 
 
+def offered(tools: list[dict[str, Any]] | None, tool_choice: Any) -> list[dict[str, Any]] | None:
+    """The tools the prompt offers: none under "none", only the named one under a named
+    choice (as SGLang renders it), else all."""
+    if not tools or tool_choice == "none":
+        return None
+    name = named_tool(tool_choice)
+    return tools if name is None else [t for t in tools if _function(t).get("name") == name]
+
+
 def check_tool_choice(tools: list[dict[str, Any]] | None, tool_choice: Any) -> None:
     """SGLang's checks (`serving_chat._validate_request`), as 400s."""
     if tool_choice is None or tool_choice in ("none", "auto"):
@@ -127,7 +142,7 @@ def check_tool_choice(tools: list[dict[str, Any]] | None, tool_choice: Any) -> N
     name = named_tool(tool_choice)
     if not tools:
         raise EngineError("Tools cannot be empty if tool choice is set to a specific tool.")
-    if not any((t.get("function") or {}).get("name") == name for t in tools):
+    if not any(_function(t).get("name") == name for t in tools):
         raise EngineError(f"Tool '{name}' not found in tools list.")
 
 
@@ -161,10 +176,10 @@ def chat_spec(response_format: dict[str, Any] | None, tools: list[dict[str, Any]
                                                  parallel=parallel_tool_calls))
     name = named_tool(tool_choice)
     if name is not None:
-        chosen = [t for t in tools if (t.get("function") or {}).get("name") == name]
+        chosen = [t for t in tools if _function(t).get("name") == name]
         return ("structural_tag", tool_calls_tag(chosen, required=True,
                                                  parallel=parallel_tool_calls))
-    if any((t.get("function") or {}).get("strict") for t in tools):
+    if any(_function(t).get("strict") for t in tools):
         return ("structural_tag", tool_calls_tag(tools, required=False,
                                                  parallel=parallel_tool_calls))
     return None
