@@ -7,10 +7,11 @@ The scheduler runs in this process, as `clawrl engine` runs it, without HTTP in 
 Without `--model`, the model is pulled once into .clawrl/bench-cache/smollm2-135m. Figures
 are medians of `--reps` repetitions, for 1 and 8 concurrent requests:
 
-1. free: each request samples (temperature 1) a fixed number of tokens, EOS ignored;
-2. constrained: each request samples (temperature 1) a JSON array of `--records` records
+1. constrained: each request samples (temperature 1) a JSON array of `--records` records
    under a schema (strings, bounded integers, an enum, a nested object), until the grammar
    ends it;
+2. free: the same requests, each sampling (temperature 1) as many tokens as its
+   constrained twin did, EOS ignored — so the batch shrinks the same way as rows finish;
 3. per token, milliseconds of decode (from the moment every request has its first token
    to the last, over the tokens after the first), free and constrained, and their ratio;
 4. what the grammar alone costs: the matcher's mask fill, its application to the logits and
@@ -56,10 +57,10 @@ def schema(records: int) -> str:
                        "maxItems": records})
 
 
-def _seqs(ids: list[int], n: int, params: SamplingParams, rep: int) -> list[Sequence]:
+def _seqs(ids: list[int], params: list[SamplingParams], rep: int) -> list[Sequence]:
     return [Sequence(rid=f"r{rep}-{i}", input_ids=ids,
-                     params=SamplingParams(**{**params.__dict__, "seed": rep * 100 + i}))
-            for i in range(n)]
+                     params=SamplingParams(**{**p.__dict__, "seed": rep * 100 + i}))
+            for i, p in enumerate(params)]
 
 
 def per_token_ms(scheduler: Scheduler, seqs: list[Sequence]) -> float:
@@ -124,7 +125,7 @@ def main(argv: list[str]) -> int:
         for n in args.batch:
             free_ms, held_ms, lengths = [], [], []
             for rep in range(args.reps + 1):  # the first repetition warms up
-                constrained = _seqs(ids, n, SamplingParams(max_new_tokens=1024, grammar=spec),
+                constrained = _seqs(ids, [SamplingParams(max_new_tokens=1024, grammar=spec)] * n,
                                     rep)
                 for seq in constrained:
                     seq.constraint = Constraint(compiled, vocab)
@@ -133,8 +134,9 @@ def main(argv: list[str]) -> int:
                     raise RuntimeError(f"a constrained reply did not finish: "
                                        f"{[s.finish for s in constrained]}")
                 length = statistics.median(len(s.output_ids) for s in constrained)
-                free = per_token_ms(scheduler, _seqs(ids, n, SamplingParams(
-                    max_new_tokens=int(length), ignore_eos=True), rep))
+                free = per_token_ms(scheduler, _seqs(ids, [
+                    SamplingParams(max_new_tokens=len(s.output_ids), ignore_eos=True)
+                    for s in constrained], rep))
                 if rep:
                     free_ms.append(free)
                     held_ms.append(held)
