@@ -209,3 +209,29 @@ def test_a_bad_constraint_is_an_openai_shaped_400(engine_url: str, name: str, ro
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["type"] == "invalid_request_error" and message in error["message"], error
+
+
+def test_a_length_bounded_string_refuses_control_characters(tiny_model_dir: Path) -> None:
+    """xgrammar 0.2.7 lets raw control characters into a string with maxLength (which JSON,
+    and `json.loads`, refuse); the engine's grammar does not."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from clawrl.engine.grammar import Constraint, Grammars
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    grammars = Grammars(tokenizer, 768, {2})
+    schema = json.dumps({"type": "object", "required": ["p"],
+                         "properties": {"p": {"type": "string", "maxLength": 8}}})
+    bell, tab, b = tokenizer.convert_tokens_to_ids(["ć", "ĉ", "b"])  # bytes 0x07, 0x09; "b"
+
+    def allowed(compiled: Any) -> torch.Tensor:
+        constraint = Constraint(compiled, 768)
+        for token in tokenizer.encode('{"p": "a', add_special_tokens=False):
+            constraint.accept(token)
+        return constraint.mask(torch.zeros(768)) > float("-inf")
+
+    theirs = allowed(grammars.compiler().compile_json_schema(schema, any_whitespace=False))
+    assert theirs[bell] and theirs[tab] and theirs[b]
+    ours = allowed(grammars.compile(("json_schema", schema)))
+    assert not ours[bell] and not ours[tab] and ours[b]
