@@ -185,6 +185,23 @@ def chat_spec(response_format: dict[str, Any] | None, tools: list[dict[str, Any]
     return None
 
 
+def structural_tag(text: str) -> str | xgr.StructuralTag:
+    """A `structural_tag` as xgrammar compiles it: the current format as given; SGLang's
+    legacy one (`{"structures": [{begin, schema, end}], "triggers": […]}`, which its
+    tool-call parsers still send) converted as SGLang's xgrammar backend converts it."""
+    try:
+        tag = json.loads(text)
+    except json.JSONDecodeError:
+        return text  # xgrammar says what is wrong with it
+    if not isinstance(tag, dict) or tag.get("structures") is None:
+        return text
+    items = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]),
+                                   end=s["end"]) for s in tag["structures"]]
+    converted = xgr.StructuralTag.from_legacy_structural_tag(items, tag["triggers"])
+    converted.format.at_least_one = bool(tag.get("at_least_one", False))  # type: ignore[union-attr]
+    return converted
+
+
 class Grammars:
     """The engine's grammar compiler: the tokenizer's vocabulary read once (on first use:
     a large vocabulary takes a moment), compiled grammars cached by xgrammar."""
@@ -214,8 +231,8 @@ class Grammars:
                 return compiler.compile_regex(text)
             if kind == "ebnf":
                 return compiler.compile_grammar(text)
-            return compiler.compile_structural_tag(text)
-        except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar's and pydantic's
+            return compiler.compile_structural_tag(structural_tag(text))
+        except (RuntimeError, ValueError, TypeError, KeyError) as exc:  # xgrammar's, pydantic's
             raise invalid(kind, exc) from exc
 
 
