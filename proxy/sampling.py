@@ -17,8 +17,14 @@ a client's to set (openai_types refuses it) and is pinned at 1: the trainer cann
 it, so a model whose generation_config sets one is served without it.
 
 The stored object: temperature, top_p, top_k, min_p, presence_penalty, frequency_penalty,
-repetition_penalty, and `logit_bias` (true when the request sent a non-empty one; the biases
-themselves stay in `turns.params`). trainer/offpolicy.py reads it.
+repetition_penalty, `logit_bias` (true when the request sent a non-empty one; the biases
+themselves stay in `turns.params`), and `constraint`: the grammar the reply was sampled under
+(`constrained`), or null. Both engines decode a structured output under a grammar built from
+the request (clawrl/engine/grammar.py; SGLang the same, from the same fields, which the proxy
+forwards unchanged): the `response_format` when it is `json_object` or `json_schema`, else a
+`tool_choice` of `required` or a named function, else — under `auto` — the names of the
+`strict` functions; with the request's `tools` (in `turns.tools`) that is the whole grammar.
+trainer/offpolicy.py reads it.
 """
 
 from __future__ import annotations
@@ -64,7 +70,23 @@ def applied_sampling(body: dict[str, Any], defaults: dict[str, float] | None) ->
         out[key] = body.get(key) or 0.0
     out["repetition_penalty"] = 1.0
     out["logit_bias"] = bool(body.get("logit_bias"))
+    out["constraint"] = constrained(body)
     return out
+
+
+def constrained(body: dict[str, Any]) -> dict[str, Any] | None:
+    """The part of a chat request that constrains decoding to a grammar, or None."""
+    fmt = body.get("response_format")
+    if isinstance(fmt, dict) and fmt.get("type") in ("json_object", "json_schema"):
+        return {"response_format": fmt}
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if not tools or choice == "none":
+        return None
+    if choice == "required" or isinstance(choice, dict):
+        return {"tool_choice": choice}
+    strict = [t["function"].get("name") for t in tools if isinstance(t, dict)
+              and isinstance(t.get("function"), dict) and t["function"].get("strict")]
+    return {"strict_tools": strict} if strict else None
 
 
 def engine_fields(sampling: dict[str, Any]) -> dict[str, Any]:

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from typing import Any
 
-HEAVY = ("torch", "transformers", "megatron", "sglang", "peft")
+HEAVY = ("torch", "transformers", "megatron", "sglang", "peft", "xgrammar")
 
 
 def test_proxy_and_judge_do_not_import_heavy_packages() -> None:

@@ -15,7 +15,15 @@ What it cannot correct for is never trained (`off_policy_reason`, a `skipped_rea
   tokens so far and are applied before the logprobs are taken, so the recorded logprobs are
   of a distribution the policy is not;
 - a temperature that is not a finite number in [0, 2] (the proxy's bound), or unknown (null:
-  the request left it unset before the proxy had read the engine's defaults).
+  the request left it unset before the proxy had read the engine's defaults);
+- a structured output (`constraint`: a grammar, clawrl/engine/grammar.py): its tokens were
+  drawn from the model's distribution with every token the grammar refused at that position
+  masked out, and its logprobs are of that masked distribution. The policy's own logprobs
+  are unmasked, so the ratio would read the mask as the policy's doing (exactly: log of the
+  allowed mass, at every step); training it right needs each position's mask, which means
+  replaying the grammar over the reply in the trainer (xgrammar there, and a masked
+  log-softmax in every backend). Until then such turns are not trained: a structured reply
+  shapes the format more than the content, and the format is the grammar's, not the model's.
 
 Truncation (top_p, top_k, min_p) is ignored on both sides: the recorded logprob and the
 recomputed one are both of the untruncated tempered distribution, so the ratio stays exactly
@@ -61,6 +69,8 @@ def off_policy_reason(sampling: Any) -> str | None:
             return f"off_policy: {name}"
     if _number(sampling.get("repetition_penalty"), 1.0) != 1.0:
         return "off_policy: repetition_penalty"
+    if sampling.get("constraint"):
+        return "off_policy: constrained decoding"
     if "temperature" in sampling and sampling["temperature"] is None:
         return "off_policy: temperature unknown"
     temperature = _number(sampling.get("temperature"), 1.0)

@@ -49,7 +49,7 @@ PROG = "clawrl bench engine"
 CACHE_DIR = Path(".clawrl") / "bench-cache" / "smollm2-135m"
 
 
-def _run(scheduler: Scheduler, seqs: list[Sequence], timeout_s: float = 600) -> float:
+def run_timed(scheduler: Scheduler, seqs: list[Sequence], timeout_s: float = 600) -> float:
     """Submit `seqs` at once; wall seconds from when all have a first token to the end."""
     done = threading.Event()
     first = threading.Event()
@@ -80,7 +80,7 @@ def _timed(scheduler: Scheduler, ids: list[int]) -> tuple[float, int]:
     seq = Sequence(rid="p", input_ids=ids,
                    params=SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True))
     started = time.perf_counter()
-    _run(scheduler, [seq])
+    run_timed(scheduler, [seq])
     return time.perf_counter() - started, seq.cached_tokens
 
 
@@ -90,7 +90,7 @@ def decode_rate(scheduler: Scheduler, n: int, new_tokens: int, rng: torch.Genera
                                                           generator=rng).tolist(),
                      params=SamplingParams(max_new_tokens=new_tokens, temperature=0.0,
                                            ignore_eos=True)) for i in range(n)]
-    seconds = _run(scheduler, seqs)
+    seconds = run_timed(scheduler, seqs)
     return sum(len(s.output_ids) - 1 for s in seqs) / seconds
 
 

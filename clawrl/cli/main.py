@@ -51,6 +51,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "console": ("clawrl.bench.console", "main"),
     "env": ("clawrl.bench.envs", "main"),
     "engine": ("clawrl.bench.engine", "main"),
+    "grammar": ("clawrl.bench.grammar", "main"),
 }
 
 

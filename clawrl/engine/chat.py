@@ -24,6 +24,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+from clawrl.engine.grammar import chat_spec, offered
 from clawrl.engine.protocol import (
     ChatCompletionRequest,
     EngineError,
@@ -99,7 +100,7 @@ def prompt_ids(engine: Engine, req: ChatCompletionRequest) -> list[int]:
             prefix = messages.pop()["content"]
         else:
             messages[-1] = {"role": "user", "content": messages[-1]["content"]}
-    tools: Any = req.tools if req.tools and req.tool_choice != "none" else None
+    tools: Any = offered(req.tools, req.tool_choice)
     if not engine.renders_tools and (tools or any(
             m.get("tool_calls") or m["role"] == "tool" for m in messages)):
         messages, tools = render_tool_messages(messages, tools), None
@@ -218,10 +219,13 @@ def _sglext(req: ChatCompletionRequest, ids: list[int], seq: Sequence) -> dict[s
 def prepare(engine: Engine, req: ChatCompletionRequest, rid: str | None) -> Sequence:
     """Validate the request and build its Sequence (raises EngineError -> 400)."""
     req.refuse_unsupported()
+    grammar = chat_spec(req.response_format, req.tools, req.tool_choice,
+                        req.parallel_tool_calls)
     ids = prompt_ids(engine, req)
     if any(not 0 <= t < engine.vocab_size for t in ids):
         raise EngineError(f"input_ids must be in [0, {engine.vocab_size})")
     params = req.sampling(engine.generation_defaults)
+    params.grammar = grammar
     if params.max_new_tokens < 0:
         params.max_new_tokens = max(engine.context_len - len(ids), 0)
     check_sampling(params)

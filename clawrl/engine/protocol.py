@@ -3,8 +3,9 @@
 Field names and defaults follow SGLang 0.5.x (`srt/managers/io_struct.py` GenerateReqInput,
 `srt/entrypoints/openai/protocol.py` ChatCompletionRequest). Unknown top-level fields are
 ignored, as SGLang does; unknown `sampling_params` keys are rejected (SGLang >= 0.5.22).
-Options SGLang has but this engine does not implement (grammars, penalties, n > 1) are
-refused with a 400 rather than silently ignored.
+Options SGLang has but this engine does not implement (penalties, n > 1) are refused with
+a 400 rather than silently ignored. Structured outputs (`json_schema`, `regex`, `ebnf`,
+`structural_tag`; `response_format`, `tool_choice`) are clawrl/engine/grammar.py's.
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ _SAMPLING_KEYS = {"max_new_tokens", "temperature", "top_p", "top_k", "min_new_to
                   "json_schema", "regex", "ebnf", "structural_tag", "logit_bias",
                   "stop_regex", "custom_params"}
 _NEUTRAL = {"n": 1, "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
-            "repetition_penalty": 1.0, "json_schema": None, "regex": None, "ebnf": None,
-            "structural_tag": None, "logit_bias": None, "stop_regex": None,
+            "repetition_penalty": 1.0, "logit_bias": None, "stop_regex": None,
             "custom_params": None}
+# The structured-output constraints (SGLang: at most one per request).
+GRAMMAR_KEYS = ("json_schema", "regex", "ebnf", "structural_tag")
 
 
 class EngineError(Exception):
@@ -111,11 +113,24 @@ def sampling_from_dict(raw: dict[str, Any] | None) -> SamplingParams:
             skip_special_tokens=bool(raw.get("skip_special_tokens", True)),
             no_stop_trim=bool(raw.get("no_stop_trim", False)),
             seed=int(raw["sampling_seed"]) if raw.get("sampling_seed") is not None else None,
+            grammar=_grammar(raw),
         )
     except (TypeError, ValueError) as exc:
         raise EngineError(f"invalid sampling_params: {exc}") from exc
     check_sampling(params)
     return params
+
+
+def _grammar(raw: dict[str, Any]) -> tuple[str, str] | None:
+    """The structured-output constraint in `sampling_params`: at most one, a string."""
+    given = [k for k in GRAMMAR_KEYS if raw.get(k) is not None]
+    if len(given) > 1:
+        raise EngineError("Only one of regex, json_schema, ebnf or structural_tag can be set.")
+    if not given:
+        return None
+    if not isinstance(raw[given[0]], str):
+        raise EngineError(f"sampling_params.{given[0]} must be a string")
+    return (given[0], raw[given[0]])
 
 
 def _given(raw: dict[str, Any], key: str, default: float) -> Any:
@@ -133,6 +148,10 @@ def check_sampling(p: SamplingParams) -> None:
         raise EngineError("top_p must be in (0, 1]")
     if p.top_k == 0 or p.top_k < -1:
         raise EngineError("top_k must be -1 (disabled) or >= 1")
+    if p.grammar is not None and (p.ignore_eos or p.min_new_tokens):
+        # The grammar ends the reply with a stop token; neither may overrule it.
+        raise EngineError("ignore_eos and min_new_tokens cannot be used with a structured "
+                          "output constraint")
 
 
 class GenerateRequest(BaseModel):
@@ -230,12 +249,6 @@ class ChatCompletionRequest(BaseModel):
                               "embedded engine")
         if self.logit_bias:
             raise EngineError("logit_bias is not supported by the embedded engine")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise EngineError("response_format other than text is not supported by the "
-                              "embedded engine")
-        if isinstance(self.tool_choice, dict) or self.tool_choice == "required":
-            raise EngineError("tool_choice 'required' or a named tool is not supported by the "
-                              "embedded engine; use 'auto' or 'none'")
         if self.stream and (self.return_token_ids or self.return_prompt_token_ids):
             raise EngineError("return_token_ids is not supported with streaming on "
                               "/v1/chat/completions. Please set stream=false when using "

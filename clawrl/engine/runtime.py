@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from clawrl.engine.grammar import Constraint, Grammars
 from clawrl.engine.lora import Adapter, LoRAError, Registry, read_adapter
 from clawrl.engine.ngram import NgramDraft
 from clawrl.engine.prefix_cache import PrefixCache
@@ -172,6 +173,7 @@ class Engine:
         self.live: dict[str, Sequence] = {}
         self._token_text: dict[int, str] = {}
         self.adapters = Registry(self._read_adapter, max_loaded=max_loaded_loras)
+        self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_ids)
 
     @property
     def weight_version(self) -> str:
@@ -232,6 +234,15 @@ class Engine:
             return f"LoRA adapter {seq.lora_name} was unloaded"
         seq.adapter = adapter
         return None
+
+    # ---- structured outputs -----------------------------------------------------------------
+
+    async def constrain(self, seq: Sequence) -> None:
+        """Compile the sequence's grammar (off the event loop: a large vocabulary or schema
+        takes a while) and give it its matcher; EngineError (400) when the grammar is invalid."""
+        if seq.params.grammar is not None:
+            compiled = await asyncio.to_thread(self.grammars.compile, seq.params.grammar)
+            seq.constraint = Constraint(compiled, self.vocab_size)
 
     # ---- generation -----------------------------------------------------------------------
 

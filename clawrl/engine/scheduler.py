@@ -72,6 +72,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
     seed: int | None = None
+    # A structured-output constraint, SGLang's sampling_params key and value (e.g.
+    # ("json_schema", "{...}")); clawrl/engine/grammar.py compiles it into `Sequence.constraint`.
+    grammar: tuple[str, str] | None = None
 
 
 @dataclass(eq=False)
@@ -99,6 +102,8 @@ class Sequence:
     # LoRA: the adapter name the request asked for, and the adapter it holds while it runs.
     lora_name: str | None = None
     adapter: Adapter | None = None
+    # The grammar the reply must follow (clawrl/engine/grammar.py `Constraint`), or None.
+    constraint: Any = None
     # scheduler-private state
     aborted: str | None = None
     n_cached: int = 0
@@ -396,7 +401,7 @@ class Scheduler:
             return False
         seq = self._running[0]
         p = seq.params
-        if not is_greedy(p) or seq.adapter is not None:
+        if not is_greedy(p) or seq.adapter is not None or seq.constraint is not None:
             return False
         room = min(p.max_new_tokens - len(seq.output_ids), self.max_len - seq.n_cached - 1) - 1
         draft = self.drafts.draft(seq.input_ids[-self.drafts.max_n:] + seq.output_ids, room)
@@ -462,10 +467,17 @@ class Scheduler:
         """Sample from `logits` [V]; record the token with its logprob under the sampling
         distribution, `logp` [V] (`log_softmax(logits / behaviour_temperature)`).
 
+        A constrained sequence samples from its masked logits (the tokens its grammar refuses
+        at -inf), and its logprobs are those of that constrained distribution (as SGLang's).
         Returns how the sequence finished, if it did; the caller finishes it (after taking it
         out of the running batch). Otherwise the sequence's reader is told of the new token.
         """
+        if seq.constraint is not None:
+            logits = seq.constraint.mask(logits)
+            logp = F.log_softmax(logits / behaviour_temperature(seq.params), dim=-1)
         token = _sample(logits, seq.params, seq.generator or self._rng)
+        if seq.constraint is not None:
+            seq.constraint.accept(token)
         if not seq.weight_spans or seq.weight_spans[-1]["version"] != self.weight_version:
             n = len(seq.output_ids)
             if seq.weight_spans:
@@ -476,7 +488,10 @@ class Scheduler:
             seq.output_logprobs.append(float(logp[token]))
             if seq.top_logprobs_num > 0:
                 top = logp.topk(seq.top_logprobs_num)
-                seq.output_top.append(_pairs(top.values[None], top.indices[None])[0])
+                # Tokens a grammar refused (-inf) are no alternatives: fewer may come back.
+                seq.output_top.append([(lp, t) for lp, t in _pairs(top.values[None],
+                                                                    top.indices[None])[0]
+                                       if lp != float("-inf")])
         seq.output_ids.append(token)
         finish = self._check_stop(seq, token)
         if finish is None:

@@ -87,6 +87,7 @@ def create_app(engine: Engine, *, api_key: str | None = None,
                 setattr(req, f"return_{flag}_ids_in_sglext", True)
         seq = chat.prepare(engine, req, req.rid)
         await engine.check_adapter(seq.lora_name)
+        await engine.constrain(seq)
         if req.stream:
             return StreamingResponse(chat.stream(engine, req, seq, request.is_disconnected),
                                      media_type="text/event-stream")
@@ -114,6 +115,8 @@ def create_app(engine: Engine, *, api_key: str | None = None,
         seqs, batched = _generate_seqs(engine, req)
         for name in {s.lora_name for s in seqs}:
             await engine.check_adapter(name)
+        for seq in seqs:  # one matcher each (xgrammar caches the compiled grammar)
+            await engine.constrain(seq)
         started = time.monotonic()
         if req.stream:
             if batched:

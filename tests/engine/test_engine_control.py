@@ -175,7 +175,7 @@ BAD_REQUESTS: list[tuple[str, Any, str]] = [
     ("/generate", {"sampling_params": {}}, "Either text or input_ids"),
     ("/generate", {"text": "x", "input_ids": [1]}, "Either text or input_ids"),
     ("/generate", {"text": "x", "sampling_params": {"bogus": 1}}, "unknown field 'bogus'"),
-    ("/generate", {"text": "x", "sampling_params": {"regex": "a+"}}, "not supported"),
+    ("/generate", {"text": "x", "sampling_params": {"stop_regex": "a+"}}, "not supported"),
     ("/generate", {"input_ids": [1, 99999]}, "input_ids must be in"),
     ("/generate", {"input_ids": [1, 2], "return_logprob": True, "logprob_start_len": 2},
      "logprob_start_len"),

@@ -65,7 +65,7 @@ def test_applied_sampling_is_the_request_over_the_engine_defaults() -> None:
     sampling = applied_sampling({"temperature": 0.0, "logit_bias": {"5": 10}}, defaults)
     assert sampling == {"temperature": 0.0, "top_p": 0.9, "top_k": -1, "min_p": 0.0,
                         "presence_penalty": 0.0, "frequency_penalty": 0.0,
-                        "repetition_penalty": 1.0, "logit_bias": True}
+                        "repetition_penalty": 1.0, "logit_bias": True, "constraint": None}
     # Every distribution parameter goes to the engine explicitly: its own defaults never apply.
     sent = engine_body({"messages": OK, "logit_bias": {"5": 10}}, stream=False,
                        sampling=sampling)
@@ -116,7 +116,7 @@ async def test_turns_store_the_sampling_the_engine_applied(
                          "ORDER BY created_at")
     assert len(rows) == len(bodies)
     common = {"min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
-              "repetition_penalty": 1.0, "logit_bias": False}
+              "repetition_penalty": 1.0, "logit_bias": False, "constraint": None}
     assert [r[0] for r in rows] == [
         {"temperature": 0.7, "top_p": 0.95, "top_k": -1, **common},
         {"temperature": 0.7, "top_p": 0.95, "top_k": -1, **common},

@@ -141,6 +141,9 @@ def build_app(model: str, scheduler_url: str, weight_version: str,
                 params["stop_token_ids"] = sorted(sp.stop_token_ids)
             if sp.stop_strs:
                 params["stop"] = list(sp.stop_strs)
+            for key in ("json_schema", "regex", "ebnf", "structural_tag"):  # SGLang's grammar
+                if getattr(sp, key, None) is not None:
+                    params[key] = getattr(sp, key)
             reply = await engine.post("/generate", json={
                 "input_ids": list(obj.input_ids), "sampling_params": params,
                 "return_logprob": True, "logprob_start_len": obj.logprob_start_len})

@@ -190,3 +190,43 @@ async def test_start_check_passes_on_sglang(sglang_url: str) -> None:
     """What the proxy, judge and trainer ask the engine at start, SGLang 0.5.23 answers."""
     async with EngineClient(sglang_url) as client:
         assert await check_engine(client, (*PROXY_NEEDS, *JUDGE_NEEDS, *TRAINER_NEEDS))
+
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "role"],
+          "properties": {"name": {"type": "string", "maxLength": 10},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                         "role": {"enum": ["admin", "user", "guest"]}}}
+# strict: SGLang puts a call's arguments under the schema only for a strict function.
+LOOKUP = {"type": "function", "function": {
+    "name": "lookup", "description": "Look a word up.", "strict": True,
+    "parameters": {"type": "object", "required": ["word"], "additionalProperties": False,
+                   "properties": {"word": {"type": "string", "maxLength": 12}}}}}
+
+
+def test_structured_outputs_pass_through_sglang_unchanged(
+        engine_factory: Any, sglang_factory: Any) -> None:
+    """What the proxy forwards unchanged (`response_format`, `tool_choice`), SGLang's own
+    adapter turns into its grammar (`json_schema`; its tool parser's `structural_tag`), which
+    the engine under it decodes: SGLang's answers parse and validate. On the tiny world's
+    tool model: SGLang's tag for `required` lets free text follow the call, which a trained
+    model ends, and the random-weight one fills with noise."""
+    import jsonschema
+
+    tools_model = Path(__file__).resolve().parents[2] / "clawrl/world/prebuilt/tinyworld-tools"
+    url = sglang_factory(tools_model, engine_factory(tools_model))
+    for seed in range(3):
+        body = chat(url, {**CLIENT_BODY, "temperature": 1.0, "seed": seed, "max_tokens": 200,
+                          "response_format": {"type": "json_schema", "json_schema": {
+                              "name": "person", "schema": PERSON}}})
+        choice = body["choices"][0]
+        assert choice["finish_reason"] == "stop", choice
+        jsonschema.validate(json.loads(choice["message"]["content"]), PERSON)
+        body = chat(url, {**CLIENT_BODY, "temperature": 1.0, "seed": seed, "max_tokens": 200,
+                          "tools": [LOOKUP], "tool_choice": "required"})
+        choice = body["choices"][0]
+        assert choice["finish_reason"] == "tool_calls", choice
+        calls = choice["message"]["tool_calls"]
+        assert calls and all(c["function"]["name"] == "lookup" for c in calls)
+        for call in calls:
+            jsonschema.validate(json.loads(call["function"]["arguments"]),
+                                LOOKUP["function"]["parameters"])  # type: ignore[index]

@@ -58,18 +58,22 @@ def test_what_cannot_be_corrected_is_skipped_with_its_reason(
         ({**PLAIN, "repetition_penalty": 1.1}, "off_policy: repetition_penalty"),
         ({**PLAIN, "temperature": 4}, "off_policy: temperature"),
         ({**PLAIN, "temperature": None}, "off_policy: temperature unknown"),
+        ({**PLAIN, "constraint": {"response_format": {"type": "json_object"}}},
+         "off_policy: constrained decoding"),
+        ({**PLAIN, "constraint": {"tool_choice": "required"}}, "off_policy: constrained decoding"),
         (PLAIN, None),  # tempered, truncated: trained at its temperature
+        ({**PLAIN, "constraint": None}, None),  # free decoding
         (None, None),  # a turn from before sampling was recorded: trained as before
         ({**PLAIN, "temperature": 0}, None),  # greedy
     ]
     ids = [with_sampling(db, add_sample(), sampling) for sampling, _ in cases]
     claim, skipped = claim_batch(db, cfg(), LIMITS, 0)
     assert claim is not None
-    assert skipped == {"off_policy": 6}
+    assert skipped == {"off_policy": 8}
     trained = [i for i, (_, why) in zip(ids, cases, strict=True) if why is None]
     assert claim.batch.sample_ids == trained
     assert claim.batch.temperature is not None
-    assert claim.batch.temperature.tolist() == pytest.approx([0.7, 1.0, 1.0])
+    assert claim.batch.temperature.tolist() == pytest.approx([0.7, 0.7, 1.0, 1.0])
     claim.release()
     state = sample_state()
     assert [state[i][1] for i in ids] == [why for _, why in cases]
