@@ -44,7 +44,7 @@ async def test_parse_into_a_pydantic_model_and_the_turn_stores_the_schema(
     _, key = create_user(db_url, "alice")
     async with proxy.client(key) as client:
         raw = await client.chat.completions.with_raw_response.parse(
-            model="tiny", messages=ASK, response_format=Person, temperature=1.0, seed=3,
+            model="default", messages=ASK, response_format=Person, temperature=1.0, seed=3,
             max_tokens=200)
         completion = raw.parse()
     person = completion.choices[0].message.parsed
@@ -63,11 +63,11 @@ async def test_required_tool_choice_and_the_responses_api(
     _, key = create_user(db_url, "bob")
     async with proxy.client(key) as client:
         raw = await client.chat.completions.with_raw_response.create(
-            model="tiny", messages=ASK, tools=[LOOKUP], tool_choice="required",  # type: ignore[list-item]
+            model="default", messages=ASK, tools=[LOOKUP], tool_choice="required",  # type: ignore[list-item]
             temperature=1.0, seed=1, max_tokens=200)
         completion = raw.parse()
         response = await client.responses.create(
-            model="tiny", input="Who is on call?", max_output_tokens=200, temperature=1.0,
+            model="default", input="Who is on call?", max_output_tokens=200, temperature=1.0,
             text={"format": {"type": "json_schema", "name": "person", "strict": True,
                              "schema": Person.model_json_schema() | {
                                  "additionalProperties": False}}})
@@ -91,19 +91,19 @@ async def test_a_bad_schema_is_a_400_naming_it(proxy_factory: ProxyFactory, db_u
     async with proxy.client(key) as client:
         with pytest.raises(openai.BadRequestError) as caught:
             await client.chat.completions.create(
-                model="tiny", messages=ASK, max_tokens=5, response_format={
+                model="default", messages=ASK, max_tokens=5, response_format={
                     "type": "json_schema", "json_schema": {"name": "x", "schema": {
                         "type": "strin"}}})
         assert 'invalid json_schema: Unsupported type "strin"' in caught.value.message
         with pytest.raises(openai.BadRequestError) as caught:
             await client.chat.completions.create(
-                model="tiny", messages=ASK, max_tokens=5, tools=[LOOKUP],  # type: ignore[list-item]
+                model="default", messages=ASK, max_tokens=5, tools=[LOOKUP],  # type: ignore[list-item]
                 tool_choice={"type": "function", "function": {"name": "nope"}})
         assert "Tool 'nope' not found in tools list." in caught.value.message
     async with httpx.AsyncClient(base_url=proxy.url) as http:  # the OpenAI error shape
         body = (await http.post("/v1/chat/completions", headers={
             "Authorization": f"Bearer {key}"}, json={
-                "model": "tiny", "messages": ASK, "tool_choice": "required"})).json()
+                "model": "default", "messages": ASK, "tool_choice": "required"})).json()
     assert body["error"]["type"] == "invalid_request_error"
 
 
