@@ -15,7 +15,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any, Literal
 
-from clawrl.base.engine_client import EngineClient, EngineClientError, EngineUnavailable
+from clawrl.base.engine_client import (
+    EngineClient,
+    EngineClientError,
+    EngineTimeout,
+    EngineUnavailable,
+)
 
 Need = Literal["chat_ids", "stream_ids", "weight_version", "teacher_logprobs"]
 
@@ -97,12 +102,14 @@ _CHECKS = {"chat_ids": _chat_ids, "stream_ids": _stream_ids, "weight_version": _
 
 
 async def check_engine(client: EngineClient, needs: Iterable[Need]) -> bool:
-    """True when every need is met, False when the engine cannot be reached (not judged);
-    raises EngineIncompatible (one line) when it answers without what is needed."""
+    """True when every need is met, False when the engine cannot be reached or does not
+    answer in time (not judged: an engine busy with a stack's first requests is not an
+    incompatible one); raises EngineIncompatible (one line) when it answers without what is
+    needed."""
     try:
         for need in dict.fromkeys(needs):
             await _CHECKS[need](client)
-    except EngineUnavailable:
+    except (EngineUnavailable, EngineTimeout):
         return False
     except EngineClientError as exc:
         raise EngineIncompatible(f"the engine refused clawrl's {need} probe: "
@@ -112,8 +119,9 @@ async def check_engine(client: EngineClient, needs: Iterable[Need]) -> bool:
 
 def check_at_start(client: EngineClient, needs: Iterable[Need]) -> str | None:
     """What a process's `main` calls once before it starts, with the client it would use
-    (closed here): None when the engine has what `needs` asks for (or cannot be reached yet:
-    the process waits for it as before), else the one line to print before exiting."""
+    (closed here): None when the engine has what `needs` asks for (or cannot be reached, or
+    answer, yet: the process waits for it as before), else the one line to print before
+    exiting."""
     import asyncio
 
     async def run() -> None:

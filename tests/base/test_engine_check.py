@@ -80,6 +80,19 @@ async def test_unreachable_engine_is_not_judged() -> None:
         assert await check_engine(client, PROXY_NEEDS) is False
 
 
+async def test_an_engine_that_does_not_answer_in_time_is_not_judged() -> None:
+    """A busy engine (a stack's first probes queued ahead) is not an incompatible one: the
+    judge exited at start on a timeout ("not compatible"), taking its stack down."""
+    import socket
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(8)  # accepts connections, never answers
+        url = f"http://127.0.0.1:{server.getsockname()[1]}"
+        async with EngineClient(url, timeout=httpx.Timeout(1.0, connect=2.0)) as client:
+            assert await check_engine(client, JUDGE_NEEDS) is False
+
+
 # An OpenAI-compatible server that is not SGLang enough (like an older release): chat answers
 # without token ids, /model_info without a weight version, no /generate.
 _OLD_ENGINE = """
