@@ -155,12 +155,19 @@ def _scheduler(model: Any, cache_mb: float) -> Scheduler:
     return scheduler
 
 
-def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0])
+def model_bench_parser(prog: str, doc: str) -> argparse.ArgumentParser:
+    """The options every benchmark of a real model's decoding starts with (this one and
+    `clawrl bench grammar`): the model folder, the threads, the repetitions."""
+    parser = argparse.ArgumentParser(prog=prog, description=doc.split("\n")[0])
     parser.add_argument("--model", type=Path, default=None,
                         help=f"a Hugging Face directory (default: pull to {CACHE_DIR})")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--reps", type=int, default=3)
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    parser = model_bench_parser(PROG, __doc__ or "")
     parser.add_argument("--prefix-tokens", type=int, default=4096)
     parser.add_argument("--suffix-tokens", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)

@@ -22,17 +22,15 @@ are medians of `--reps` repetitions, for 1 and 8 concurrent requests:
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from clawrl.bench.engine import CACHE_DIR, run_timed
+from clawrl.bench.engine import CACHE_DIR, model_bench_parser, run_timed
 from clawrl.engine.grammar import Constraint, Grammars
 from clawrl.engine.pretrained import pull_model
 from clawrl.engine.runtime import load_model
@@ -85,11 +83,7 @@ def grammar_ms(grammars: Grammars, spec: tuple[str, str], replies: list[list[int
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0])
-    parser.add_argument("--model", type=Path, default=None,
-                        help=f"a Hugging Face directory (default: pull to {CACHE_DIR})")
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--reps", type=int, default=3)
+    parser = model_bench_parser(PROG, __doc__ or "")
     parser.add_argument("--records", type=int, default=6)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     args = parser.parse_args(argv)
