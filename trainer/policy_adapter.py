@@ -91,15 +91,16 @@ def publish_adapter_version(db: Engine, engine: EngineSettings, version: int, pa
                         extra={"action": "publish_retry"})
             time.sleep(backoff_s * 2 ** (attempt - 1))
     before = served_adapter(db)
-    mark_adapter_published(db, version, name)
+    mark_published(db, version, name)
     unload_stale(engine, keep={name} | ({before} if before else set()))
     return name
 
 
-def mark_adapter_published(db: Engine, version: int, name: str) -> None:
+def mark_published(db: Engine, version: int, adapter: str | None = None) -> None:
+    """Version N's row says 'published', naming its adapter (None: a full-weight version)."""
     with db.begin() as conn:
         conn.execute(update(VERSIONS).where(VERSIONS.c.version == version)
-                     .values(status="published", published_at=func.now(), adapter=name))
+                     .values(status="published", published_at=func.now(), adapter=adapter))
 
 
 def unload_stale(engine: EngineSettings, keep: set[str]) -> list[str]:
@@ -135,7 +136,7 @@ def rollback_adapter(db: Engine, engine: EngineSettings, version: int, path: Pat
         conn.execute(update(VERSIONS).where(VERSIONS.c.version > version,
                                             VERSIONS.c.status.not_in(("retired", "rejected")))
                      .values(status="retired"))
-    mark_adapter_published(db, version, name)
+    mark_published(db, version, name)
     unload_stale(engine, keep={name} | ({before} if before else set()))
     return name
 

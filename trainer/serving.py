@@ -11,7 +11,7 @@ import logging
 from pathlib import Path
 
 import httpx
-from sqlalchemy import func, select, update
+from sqlalchemy import select
 from sqlalchemy.engine import Engine
 
 from clawrl.base.engine_client import policy_adapter_name, sync_client
@@ -24,7 +24,7 @@ from trainer.metrics import TrainerMetrics
 from trainer.policy_adapter import (
     adapter_loaded,
     adapter_mode,
-    mark_adapter_published,
+    mark_published,
     publish_adapter_version,
 )
 from trainer.publish import PublishError, publish_version, serving_version
@@ -52,12 +52,6 @@ def publish(db: Engine, engine: EngineSettings, cfg: TrainerSettings, version: i
         return False
     metrics.version.set(version)
     return True
-
-
-def mark_published(db: Engine, version: int) -> None:
-    with db.begin() as conn:
-        conn.execute(update(VERSIONS).where(VERSIONS.c.version == version)
-                     .values(status="published", published_at=func.now()))
 
 
 class RolledBack(Exception):
@@ -91,8 +85,5 @@ def ensure_serving(db: Engine, engine: EngineSettings, cfg: TrainerSettings, cur
                     extra={"action": "republish"})
         publish(db, engine, cfg, current, version_dir(weights_dir, current), metrics)
     elif status != "published":  # swapped, but killed before the DB said so
-        if adapter_mode(cfg):
-            mark_adapter_published(db, current, policy_adapter_name(current))
-        else:
-            mark_published(db, current)
+        mark_published(db, current, policy_adapter_name(current) if adapter_mode(cfg) else None)
         metrics.version.set(current)
