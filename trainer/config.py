@@ -159,13 +159,15 @@ class TrainerSettings(BaseModel):
     lora: LoraSettings = LoraSettings()
     # Keep optimizer state in only the newest K checkpoints (weights are kept until prune).
     keep_trainer_states: int = Field(default=2, ge=1)
-    # The gate before serving (trainer/gate.py): a JSONL probe of questions with accepted
-    # answers that every new version answers before it is published; rejected when its score
-    # falls more than `gate_max_drop` (a fraction of the questions) below the base model's.
+    # The gate before serving (trainer/gate.py): a JSONL probe of facts with accepted answers
+    # and open questions with topic words that every new version answers before it is
+    # published; rejected when its facts score falls more than `gate_max_drop` (a fraction of
+    # the facts) below the base model's, or its on-topic rate more than `gate_max_topic_drop`.
     # A rejection sends the trainer back to the served version with its learning rate times
     # `gate_backoff`. None: no gate (a model's recipe.json may name its probe).
     gate_probe: Path | None = None
     gate_max_drop: float = Field(default=0.05, ge=0, le=1)
+    gate_max_topic_drop: float = Field(default=0.1, ge=0, le=1)
     gate_backoff: float = Field(default=0.5, gt=0, le=1)
     # Personal mode (docs/trainer.md, "Personal adapters"): one LoRA adapter per user, trained
     # on that user's samples only and served to that user; the shared model is not trained.

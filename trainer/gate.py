@@ -8,19 +8,28 @@ questions with the answers that count as right (`{"question": "…", "answers": 
 written apart from anything trained on; a model directory names its own in recipe.json
 (`"gate_probe"`, trainer/config.py), or `CLAWRL_TRAINER__GATE_PROBE` names one.
 
-Each version is asked every question greedily, as a chat with the model's own template, and
-scored by word match (any accepted answer, any case). The base model's score is measured once
-at start; a version whose score falls more than `gate_max_drop` (a fraction of the questions)
-below it is rejected: its row in policy_versions says 'rejected' with the figures, the engine
-keeps serving the version before, and the trainer goes back to that version's weights with a
-smaller learning rate (trainer/train.py).
+Facts alone miss what people notice first. A style's reward can leave short answers intact
+while longer replies drift off the question ("How long should a steak rest?" → "…a standard
+10-minute serving of a classic Margherita"): the facts held while the replies to everyday
+questions stopped answering them. So a probe also holds open questions, each with the words
+any on-topic reply uses (`{"question": "How do I unclog a sink?", "topic": ["drain",
+"plunger", …]}`), answered at a reply's length and counted on topic when the reply uses one of
+them — the check the simulated people of `clawrl eval` make, on questions of the gate's own.
+
+Each version is asked every question greedily, as a chat with the model's own template: the
+facts scored by word match (any accepted answer, any case), the open questions by topic word.
+The base model's scores are measured once at start; a version whose fact score falls more
+than `gate_max_drop` (a fraction of the questions) below the base's, or whose on-topic rate
+falls more than `gate_max_topic_drop`, is rejected: its row in policy_versions says
+'rejected' with the figures, the engine keeps serving the version before, and the trainer
+goes back to that version's weights with a smaller learning rate (trainer/train.py).
 """
 
 from __future__ import annotations
 
 import json
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,21 +42,54 @@ class ProbeError(ValueError):
 
 @dataclass(frozen=True)
 class ProbeItem:
+    """A fact (`answers`: any one of them is right) or an open question (`topic`: an
+    on-topic reply uses one of these words)."""
+
     question: str
-    answers: tuple[str, ...]
+    answers: tuple[str, ...] = ()
+    topic: tuple[str, ...] = ()
+
+    def on_topic(self, reply: str) -> bool:
+        """One of the topic words begins a word of the reply, in any case ("minute" counts
+        in "minutes", "egg" not in "leggings")."""
+        text = reply.lower()
+        return any(re.search(rf"(?<![\w]){re.escape(w.lower())}", text) for w in self.topic)
+
+
+# An open question's reply is long enough to drift: about a paragraph.
+OPEN_TOKENS = 48
+FACT_TOKENS = 32
 
 
 @dataclass
 class GateResult:
-    base: float  # fraction right, the base model
-    candidate: float  # fraction right, the new version
+    base: float | None  # fraction of the facts right, the base model (None: no facts)
+    candidate: float | None  # the same, the new version
     max_drop: float
-    questions: int
-    newly_wrong: list[str]  # questions the base answered and the version does not
+    questions: int  # facts
+    newly_wrong: list[str]  # facts the base answered and the version does not
+    topic_base: float | None = None  # fraction of open questions answered on topic, base
+    topic_candidate: float | None = None  # the same, the new version
+    max_topic_drop: float = 0.0
+    topic_questions: int = 0
+    newly_off_topic: list[str] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
-        return self.base - self.candidate <= self.max_drop + 1e-9
+        facts = self.base is None or self.candidate is None or \
+            self.base - self.candidate <= self.max_drop + 1e-9
+        topic = self.topic_base is None or self.topic_candidate is None or \
+            self.topic_base - self.topic_candidate <= self.max_topic_drop + 1e-9
+        return facts and topic
+
+    def summary(self) -> str:
+        """"facts 0.68 -> 0.65, on topic 0.93 -> 0.60" (the parts the probe has)."""
+        parts = []
+        if self.base is not None and self.candidate is not None:
+            parts.append(f"facts {self.base:.2f} -> {self.candidate:.2f}")
+        if self.topic_base is not None and self.topic_candidate is not None:
+            parts.append(f"on topic {self.topic_base:.2f} -> {self.topic_candidate:.2f}")
+        return ", ".join(parts)
 
     def as_stats(self) -> dict[str, Any]:
         return {**asdict(self), "passed": self.passed}
@@ -64,14 +106,21 @@ def load_probe(path: Path) -> list[ProbeItem]:
             continue
         try:
             row = json.loads(line)
-            question, answers = row["question"], row["answers"]
+            question = row["question"]
+            kind = "topic" if "topic" in row else "answers"
+            words = row[kind]
         except (json.JSONDecodeError, KeyError, TypeError) as exc:
             raise ProbeError(f"gate probe {path}:{n}: expected "
-                             '{"question": "...", "answers": ["..."]}') from exc
-        if not (isinstance(question, str) and question.strip() and isinstance(answers, list)
-                and answers and all(isinstance(a, str) and a.strip() for a in answers)):
-            raise ProbeError(f"gate probe {path}:{n}: a question and at least one answer")
-        items.append(ProbeItem(question, tuple(answers)))
+                             '{"question": "...", "answers": ["..."]} or '
+                             '{"question": "...", "topic": ["..."]}') from exc
+        if not (isinstance(question, str) and question.strip() and isinstance(words, list)
+                and words and all(isinstance(a, str) and a.strip() for a in words)):
+            raise ProbeError(f"gate probe {path}:{n}: a question and at least one "
+                             f"{'topic word' if kind == 'topic' else 'answer'}")
+        if kind == "topic":
+            items.append(ProbeItem(question, topic=tuple(words)))
+        else:
+            items.append(ProbeItem(question, answers=tuple(words)))
     if not items:
         raise ProbeError(f"gate probe {path}: no questions")
     return items
@@ -86,9 +135,11 @@ def is_right(reply: str, answers: tuple[str, ...]) -> bool:
 
 @torch.no_grad()
 def answer_all(model: Any, tokenizer: Any, items: list[ProbeItem],
-               max_new_tokens: int = 32) -> list[str]:
+               max_new_tokens: int = FACT_TOKENS) -> list[str]:
     """Each question asked greedily as a one-message chat, all in one left-padded batch
     (one generate call: a probe costs about one reply's time, not one per question)."""
+    if not items:
+        return []
     texts = [str(tokenizer.apply_chat_template([{"role": "user", "content": item.question}],
                                                add_generation_prompt=True, tokenize=False))
              for item in items]
@@ -109,27 +160,52 @@ def answer_all(model: Any, tokenizer: Any, items: list[ProbeItem],
     return [tokenizer.decode(row[width:], skip_special_tokens=True) for row in out]
 
 
+def fraction(marks: list[bool]) -> float | None:
+    return sum(marks) / len(marks) if marks else None
+
+
 class Gate:
     """The probe and the base model's answers to it (`measure_base` once, at start)."""
 
-    def __init__(self, items: list[ProbeItem], max_drop: float, tokenizer: Any) -> None:
+    def __init__(self, items: list[ProbeItem], max_drop: float, tokenizer: Any,
+                 max_topic_drop: float = 0.1) -> None:
         self.items, self.max_drop, self.tokenizer = items, max_drop, tokenizer
-        self.base_right: list[bool] | None = None
+        self.max_topic_drop = max_topic_drop
+        self.facts = [item for item in items if item.answers]
+        self.open = [item for item in items if item.topic]
+        self.base_marks: tuple[list[bool], list[bool]] | None = None
 
-    def _right(self, model: Any) -> list[bool]:
-        replies = answer_all(model, self.tokenizer, self.items)
-        return [is_right(r, item.answers) for r, item in zip(replies, self.items, strict=True)]
+    def _marks(self, model: Any) -> tuple[list[bool], list[bool]]:
+        """(right, on topic): each fact answered right, each open question on topic."""
+        facts = answer_all(model, self.tokenizer, self.facts)
+        replies = answer_all(model, self.tokenizer, self.open, OPEN_TOKENS)
+        return ([is_right(r, item.answers) for r, item in zip(facts, self.facts, strict=True)],
+                [item.on_topic(r) for r, item in zip(replies, self.open, strict=True)])
 
-    def measure_base(self, model: Any) -> float:
-        self.base_right = self._right(model)
-        return sum(self.base_right) / len(self.items)
+    def measure_base(self, model: Any) -> str:
+        """The base model's figures, as a line for the log."""
+        self.base_marks = self._marks(model)
+        right, topical = self.base_marks
+        parts = []
+        if self.facts:
+            parts.append(f"{fraction(right):.2f} of {len(self.facts)} facts right")
+        if self.open:
+            parts.append(f"{fraction(topical):.2f} of {len(self.open)} open questions on topic")
+        return ", ".join(parts)
 
     def check(self, model: Any) -> GateResult:
-        assert self.base_right is not None, "measure_base first"
-        right = self._right(model)
-        n = len(self.items)
+        return self._result(self._marks(model))
+
+    def _result(self, marks: tuple[list[bool], list[bool]]) -> GateResult:
+        assert self.base_marks is not None, "measure_base first"
+        (was_right, was_topical), (right, topical) = self.base_marks, marks
         return GateResult(
-            base=sum(self.base_right) / n, candidate=sum(right) / n, max_drop=self.max_drop,
-            questions=n, newly_wrong=[item.question for item, was, now in
-                                      zip(self.items, self.base_right, right, strict=True)
-                                      if was and not now])
+            base=fraction(was_right), candidate=fraction(right), max_drop=self.max_drop,
+            questions=len(self.facts),
+            newly_wrong=[item.question for item, was, now in
+                         zip(self.facts, was_right, right, strict=True) if was and not now],
+            topic_base=fraction(was_topical), topic_candidate=fraction(topical),
+            max_topic_drop=self.max_topic_drop, topic_questions=len(self.open),
+            newly_off_topic=[item.question for item, was, now in
+                             zip(self.open, was_topical, topical, strict=True)
+                             if was and not now])

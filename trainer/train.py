@@ -119,15 +119,16 @@ def open_gate(cfg: TrainerSettings, base_dir: Path, backend: Backend,
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(base_dir))
-    gate = Gate(load_probe(cfg.gate_probe), cfg.gate_max_drop, tokenizer)
+    gate = Gate(load_probe(cfg.gate_probe), cfg.gate_max_drop, tokenizer,
+                cfg.gate_max_topic_drop)
     if at_base:
-        score = gate.measure_base(backend_model(backend))
+        figures = gate.measure_base(backend_model(backend))
     else:
         base = AutoModelForCausalLM.from_pretrained(str(base_dir))
-        score = gate.measure_base(base)
+        figures = gate.measure_base(base)
         del base
-    log.info("gate: the base model answers %.2f of %d probe questions; a version more than "
-             "%.2f below is not served", score, len(gate.items), cfg.gate_max_drop,
+    log.info("gate: the base model has %s; a version more than %.2f below on facts or %.2f "
+             "on topic is not served", figures, cfg.gate_max_drop, cfg.gate_max_topic_drop,
              extra={"action": "gate_base"})
     return gate
 
@@ -252,14 +253,14 @@ def run_steps(settings: Settings, db: Engine, backend: Backend, metrics: Trainer
             record_gate(db, step, result)
             if not result.passed:
                 lr = back_off(backend, base_dir, version_path(weights_dir, current), 1)
-                log.warning("v%d rejected by the gate: probe %.2f -> %.2f (max drop %.2f); "
-                            "back to v%d at lr %g", step, result.base, result.candidate,
-                            result.max_drop, current, lr, extra={"action": "gate_rejected"})
+                log.warning("v%d rejected by the gate: %s (max drops %.2f, %.2f); back to "
+                            "v%d at lr %g", step, result.summary(), result.max_drop,
+                            result.max_topic_drop, current, lr,
+                            extra={"action": "gate_rejected"})
                 metrics.write()
                 print(progress_line(step, stats, step_row,
-                                    f"v{step} REJECTED by the gate (probe {result.base:.2f} -> "
-                                    f"{result.candidate:.2f}); back to v{current}, lr {lr:g}"),
-                      flush=True)
+                                    f"v{step} REJECTED by the gate ({result.summary()}); "
+                                    f"back to v{current}, lr {lr:g}"), flush=True)
                 step += 1
                 if once:
                     break

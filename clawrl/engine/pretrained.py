@@ -124,25 +124,31 @@ def write_sampling(model_dir: Path, sampling: dict[str, float]) -> None:
     write_json(path, {**config, **wanted})
 
 
-# Short factual questions with accepted answers, written for this purpose and never trained
-# on: the trainer's gate (trainer/gate.py) asks every new version them before it is served.
-GATE_PROBE = Path(__file__).parent / "probes" / "general-facts.jsonl"
+# The trainer's gate (trainer/gate.py) asks every new version these before it is served,
+# both written for this purpose and never trained on: short factual questions with accepted
+# answers, and open everyday questions with the words an on-topic reply uses.
+GATE_PROBES = (Path(__file__).parent / "probes" / "general-facts.jsonl",
+               Path(__file__).parent / "probes" / "everyday-topics.jsonl")
+PULLED_PROBE = "gate-probe.jsonl"
 
 
 # How a pulled model trains (trainer/config.py reads recipe.json's "train" as settings): a
 # LoRA adapter on the frozen base, published with `/load_lora_adapter` (trainer/
 # policy_adapter.py) rather than the whole model swapped in; an adapter starts at B = 0 and
 # moves only its low-rank factors, so it takes a larger step than full weights' 2e-5.
-PULLED_RECIPE: dict[str, Any] = {"gate_probe": "probe.jsonl",
+PULLED_RECIPE: dict[str, Any] = {"gate_probe": PULLED_PROBE,
                                  "train": {"lora": {"enabled": True}, "adapter_lr": 2e-4}}
-# What earlier pulls wrote: a recipe equal to one of these is brought up to date.
-EARLIER_RECIPES: list[dict[str, Any]] = [{"gate_probe": "probe.jsonl"}]
+# What earlier pulls wrote (their probe had the facts only): a recipe equal to one of these is
+# brought up to date.
+EARLIER_RECIPES: list[dict[str, Any]] = [
+    {"gate_probe": "probe.jsonl"},
+    {"gate_probe": "probe.jsonl", "train": {"lora": {"enabled": True}, "adapter_lr": 2e-4}}]
 
 
 def write_recipe(model_dir: Path) -> None:
-    """The model's recipe.json (trainer/config.py): the general-facts probe for the gate,
-    copied beside the weights, and how it trains. A recipe the user wrote is left alone; one
-    an earlier pull wrote is brought up to date."""
+    """The model's recipe.json (trainer/config.py): the gate's probe (facts and everyday
+    questions) copied beside the weights, and how it trains. A recipe the user wrote is left
+    alone; one an earlier pull wrote is brought up to date."""
     recipe = model_dir / "recipe.json"
     if recipe.is_file():
         try:
@@ -151,8 +157,11 @@ def write_recipe(model_dir: Path) -> None:
             return  # not ours to repair
         if written == PULLED_RECIPE or written not in EARLIER_RECIPES:
             return
-    if not (model_dir / "probe.jsonl").is_file():
-        shutil.copyfile(GATE_PROBE, model_dir / "probe.jsonl")
+    probe = model_dir / PULLED_PROBE
+    if not probe.is_file():
+        tmp = probe.with_name(f"{probe.name}.{os.getpid()}.tmp")
+        tmp.write_text("".join(p.read_text() for p in GATE_PROBES))
+        tmp.replace(probe)
     write_json(recipe, PULLED_RECIPE)
 
 

@@ -113,7 +113,8 @@ async def test_rollback_through_the_real_engine(
         # A version the gate rejected (trainer/gate.py): shown with its probe, never served.
         conn.execute("INSERT INTO policy_versions (version, step, path, status, stats) VALUES "
                      "(3, 3, 'v3', 'rejected', '{\"gate\": {\"base\": 0.7, \"candidate\": "
-                     "0.4, \"passed\": false}}')")
+                     "0.4, \"topic_base\": 0.93, \"topic_candidate\": 0.6, "
+                     "\"passed\": false}}')")
 
     def serving() -> str | None:
         return httpx.get(f"{engine_url}/model_info").json().get("weight_version")
@@ -121,7 +122,7 @@ async def test_rollback_through_the_real_engine(
     async with console.signed_in() as client:
         page = (await client.get("/console/versions")).text
         assert 'href="/console/versions/1/rollback"' in page
-        assert re.search(r'data-version="3">.*?<td>rejected<br><span[^>]*>probe 0.70 → 0.40',
+        assert re.search(r'data-version="3">.*?<td>rejected<br><span[^>]*>facts 0.70 → 0.40 · on topic 0.93 → 0.60',
                          page, re.S)
         assert 'href="/console/versions/3/rollback"' not in page
         confirm = await client.get("/console/versions/1/rollback")

@@ -25,10 +25,13 @@ def test_the_data_has_every_split_preference_and_follow_up() -> None:
     assert len(data.split("test")) >= 30 and len(data.facts) >= 40
     for kind in ("move_on", "off_topic", "wrong"):
         assert all(t.count("{question}") == 1 for t in data.followups[kind])
-    # The guard is apart from the gate's probe (the trainer selects versions on that one).
-    gate = Path(__file__).resolve().parents[2] / "clawrl/engine/probes/general-facts.jsonl"
-    gated = {json.loads(line)["question"] for line in gate.read_text().splitlines()}
-    assert not gated & {f.question for f in data.facts}
+    # The guard and the questions are apart from the gate's probe (the trainer selects
+    # versions on that one).
+    probes = Path(__file__).resolve().parents[2] / "clawrl/engine/probes"
+    gated = {json.loads(line)["question"].lower() for p in probes.glob("*.jsonl")
+             for line in p.read_text().splitlines()}
+    assert len(gated) >= 80
+    assert not gated & {q.lower() for q in [f.question for f in data.facts] + texts}
 
 
 @pytest.mark.parametrize(("pref", "yes", "no"), [

@@ -193,12 +193,14 @@ def test_a_pulled_model_learns_as_an_adapter_unless_told_otherwise(
     args = build_parser().parse_args(["--model", str(model)])
     got = resolve_settings(args).trainer
     assert got.lora.enabled and got.lora.r == 16 and got.adapter_lr == 2e-4
-    assert got.gate_probe == model / "probe.jsonl" and got.gate_probe.is_file()
+    assert got.gate_probe == model / "gate-probe.jsonl" and got.gate_probe.is_file()
 
-    # An earlier pull's recipe (the gate's probe only): brought up to date.
-    (model / "recipe.json").write_text(json.dumps({"gate_probe": "probe.jsonl"}))
-    write_recipe(model)
-    assert json.loads((model / "recipe.json").read_text()) == PULLED_RECIPE
+    # Earlier pulls' recipes (the facts-only probe, then with the adapter): brought up to date.
+    for earlier in ({"gate_probe": "probe.jsonl"},
+                    {"gate_probe": "probe.jsonl", "train": PULLED_RECIPE["train"]}):
+        (model / "recipe.json").write_text(json.dumps(earlier))
+        write_recipe(model)
+        assert json.loads((model / "recipe.json").read_text()) == PULLED_RECIPE
     # A recipe the user wrote: untouched.
     mine = {"gate_probe": "probe.jsonl", "train": {"lr": 1e-5}}
     (model / "recipe.json").write_text(json.dumps(mine))

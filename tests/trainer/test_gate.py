@@ -25,7 +25,7 @@ from sqlalchemy.engine import Engine
 from clawrl.base.db import PolicyVersion
 from clawrl.world.town import World, wrong_world
 from trainer.config import Settings, TrainerSettings
-from trainer.gate import Gate, ProbeError, is_right, load_probe
+from trainer.gate import Gate, GateResult, ProbeError, is_right, load_probe
 from trainer.train import train
 
 SampleFactory = Callable[..., int]
@@ -60,6 +60,35 @@ def test_a_bad_probe_is_one_readable_line(tmp_path: Path) -> None:
         load_probe(bad)
     with pytest.raises(ProbeError, match="No such file"):
         load_probe(tmp_path / "missing.jsonl")
+    bad.write_text('{"question": "How do I unclog a sink?", "topic": []}\n')
+    with pytest.raises(ProbeError, match="at least one topic word"):
+        load_probe(bad)
+    bad.write_text('{"question": "How?", "topic": "drain"}\n')
+    with pytest.raises(ProbeError, match="at least one topic word"):
+        load_probe(bad)
+
+
+def test_both_kinds_load_and_an_open_question_is_on_topic_by_its_words(
+        tmp_path: Path) -> None:
+    probe = tmp_path / "p.jsonl"
+    probe.write_text('{"question": "Capital of Italy?", "answers": ["Rome"]}\n'
+                     '{"question": "How do I unclog a sink?", "topic": ["drain", "plunger"]}\n')
+    fact, open_ = load_probe(probe)
+    assert fact.answers == ("Rome",) and not fact.topic
+    assert open_.topic == ("drain", "plunger") and not open_.answers
+    assert open_.on_topic("Pour hot water down the DRAINS.")  # a word's start, any case
+    assert open_.on_topic("Use a plunger.") and not open_.on_topic("Bake it for 20 minutes.")
+    assert not open_.on_topic("Try the undrained pasta.")  # not inside another word
+
+
+def test_a_drop_on_either_kind_fails_and_says_which() -> None:
+    both = GateResult(base=0.7, candidate=0.7, max_drop=0.05, questions=10, newly_wrong=[],
+                      topic_base=0.95, topic_candidate=0.6, max_topic_drop=0.1,
+                      topic_questions=20, newly_off_topic=["How?"])
+    assert not both.passed and both.summary() == "facts 0.70 -> 0.70, on topic 0.95 -> 0.60"
+    assert GateResult(0.7, 0.6, 0.05, 10, ["Where?"]).passed is False
+    open_only = GateResult(None, None, 0.05, 0, [], 1.0, 0.95, 0.1, 20, ["How?"])
+    assert open_only.passed and open_only.summary() == "on topic 1.00 -> 0.95"
 
 
 def test_answers_match_as_whole_words() -> None:
@@ -76,13 +105,37 @@ def test_the_probe_tells_a_model_that_knows_from_one_that_does_not(
 
     gate = Gate(load_probe(write_probe(tmp_path / "probe.jsonl")), 0.05,
                 AutoTokenizer.from_pretrained(KNOWS))
-    base = gate.measure_base(AutoModelForCausalLM.from_pretrained(KNOWS))
+    assert "facts right" in gate.measure_base(AutoModelForCausalLM.from_pretrained(KNOWS))
+    assert gate.base_marks is not None
+    base = sum(gate.base_marks[0]) / PROBE_SIZE
     assert base >= 0.75  # the tiny world model answers its held-out questions
     random = gate.check(AutoModelForCausalLM.from_pretrained(tiny_model_dir))
-    assert random.candidate <= 0.1 and not random.passed
+    assert random.candidate is not None and random.candidate <= 0.1 and not random.passed
     assert len(random.newly_wrong) >= int(base * PROBE_SIZE) - 1
+    assert random.topic_base is None  # a probe of facts only
     same = gate.check(AutoModelForCausalLM.from_pretrained(KNOWS))
     assert same.passed and same.candidate == base and same.newly_wrong == []
+
+
+def test_open_questions_tell_a_model_that_stays_on_topic_from_one_that_wanders(
+        tmp_path: Path, tiny_model_dir: Path) -> None:
+    """The tiny world's replies name the person asked about ("- ADA LIVES IN …"): a reply
+    that names nobody asked about has left the question, right answer or not."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    world = World.build(0)
+    probe = tmp_path / "open.jsonl"
+    probe.write_text("".join(json.dumps({"question": q.text, "topic": [q.name]}) + "\n"
+                             for q in world.heldout[:PROBE_SIZE]))
+    gate = Gate(load_probe(probe), 0.05, AutoTokenizer.from_pretrained(KNOWS), 0.1)
+    assert "open questions on topic" in gate.measure_base(
+        AutoModelForCausalLM.from_pretrained(KNOWS))
+    wandered = gate.check(AutoModelForCausalLM.from_pretrained(tiny_model_dir))
+    assert wandered.topic_base is not None and wandered.topic_base >= 0.9
+    assert wandered.topic_candidate is not None and wandered.topic_candidate <= 0.2
+    assert not wandered.passed and wandered.base is None
+    assert len(wandered.newly_off_topic) >= PROBE_SIZE - 3
+    assert gate.check(AutoModelForCausalLM.from_pretrained(KNOWS)).passed
 
 
 def teach_wrong_answers(url: str, add_sample: SampleFactory, n: int) -> None:

@@ -478,7 +478,8 @@ def test_megatron_tp2_is_refused_before_any_weight_is_read(smollm2_dir: Path) ->
 def test_the_pulled_model_comes_with_its_sampling_and_its_gate(
         smollm2_dir: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """A GGUF carries no generation settings: the pull writes the model card's; and the
-    trainer's gate (trainer/gate.py) gets the general-facts probe from the model's recipe."""
+    trainer's gate (trainer/gate.py) gets its probe — facts and everyday questions — from the
+    model's recipe."""
     from trainer.gate import load_probe
     from trainer.train import build_parser, resolve_settings
 
@@ -488,7 +489,34 @@ def test_the_pulled_model_comes_with_its_sampling_and_its_gate(
         monkeypatch.delenv(name)
     monkeypatch.setenv("CLAWRL_STATE_DIR", str(tmp_path))
     got = resolve_settings(build_parser().parse_args(["--model", str(smollm2_dir)])).trainer
-    assert got.gate_probe == smollm2_dir / "probe.jsonl"
-    assert len(load_probe(got.gate_probe)) == 40 and got.gate_max_drop == 0.05
+    assert got.gate_probe == smollm2_dir / "gate-probe.jsonl"
+    probe = load_probe(got.gate_probe)
+    assert sum(bool(p.answers) for p in probe) == 40 and sum(bool(p.topic) for p in probe) == 40
+    assert got.gate_max_drop == 0.05 and got.gate_max_topic_drop == 0.1
     # It learns as a LoRA adapter on the frozen base (trainer/policy_adapter.py).
     assert got.lora.enabled and got.adapter_lr == 2e-4
+
+
+def test_the_gate_sees_replies_leave_the_question(smollm2_dir: Path) -> None:
+    """The shipped probe's everyday questions fit the real model: the base answers them on
+    topic; a copy whose weights were shaken (as a runaway step shakes them) talks past them
+    and the gate rejects it on the open questions alone."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from trainer.gate import Gate, load_probe
+
+    torch.set_num_threads(1)
+    open_ = [p for p in load_probe(smollm2_dir / "gate-probe.jsonl") if p.topic][:8]
+    gate = Gate(open_, 0.05, AutoTokenizer.from_pretrained(smollm2_dir), 0.1)
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir)
+    gate.measure_base(model)
+    assert gate.base_marks is not None and sum(gate.base_marks[1]) >= 7, gate.base_marks
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, weight in model.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                weight.add_(torch.randn(weight.shape, generator=generator) * weight.std() * 2)
+    shaken = gate.check(model)
+    assert not shaken.passed and shaken.topic_candidate is not None
+    assert shaken.topic_candidate <= 0.5 and shaken.newly_off_topic, shaken
