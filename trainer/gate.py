@@ -176,11 +176,14 @@ class Gate:
         self.base_marks: tuple[list[bool], list[bool]] | None = None
 
     def _marks(self, model: Any) -> tuple[list[bool], list[bool]]:
-        """(right, on topic): each fact answered right, each open question on topic."""
-        facts = answer_all(model, self.tokenizer, self.facts)
-        replies = answer_all(model, self.tokenizer, self.open, OPEN_TOKENS)
+        """(right, on topic): each fact answered right, each open question on topic — one
+        batch, as long as the longest kind needs (a fact read over more tokens is read the
+        same way for the base and every version)."""
+        replies = answer_all(model, self.tokenizer, self.facts + self.open,
+                             OPEN_TOKENS if self.open else FACT_TOKENS)
+        facts, opens = replies[:len(self.facts)], replies[len(self.facts):]
         return ([is_right(r, item.answers) for r, item in zip(facts, self.facts, strict=True)],
-                [item.on_topic(r) for r, item in zip(replies, self.open, strict=True)])
+                [item.on_topic(r) for r, item in zip(opens, self.open, strict=True)])
 
     def measure_base(self, model: Any) -> str:
         """The base model's figures, as a line for the log."""

@@ -34,7 +34,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "keys": ("proxy.admin", "keys_main", "create, list or revoke API keys"),
     "sql": ("proxy.admin", "sql_main", "run a read-only SQL query on the log"),
     "bench": ("clawrl.cli.main", "bench_main",
-              "benchmarks: proxy, faults, judge, trainer, adapters, megatron, env"),
+              "benchmarks: proxy, faults, judge, trainer, adapters, megatron, env, engine, grammar, pace"),
 }
 
 # Commands that administer an existing stack: pointed at the running `clawrl up`.
@@ -52,6 +52,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "env": ("clawrl.bench.envs", "main"),
     "engine": ("clawrl.bench.engine", "main"),
     "grammar": ("clawrl.bench.grammar", "main"),
+    "pace": ("clawrl.bench.pace", "main"),
 }
 
 
