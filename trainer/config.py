@@ -115,10 +115,13 @@ class TrainerSettings(BaseModel):
     grad_clip: float = Field(default=1.0, gt=0)
 
     # Batching: `batch_size` samples per optimizer step, processed `micro_batch_size` at a
-    # time with gradient accumulation. A batch closes early after `max_wait_s` with fewer.
+    # time with gradient accumulation. A batch closes early, with fewer, once its first
+    # sample has waited `max_wait_s` and it holds at least `min_batch_size` (docs/trainer.md,
+    # "Versions at a person's pace").
     batch_size: int = Field(default=16, ge=1)
     micro_batch_size: int = Field(default=4, ge=1)
     max_wait_s: float = Field(default=30.0, ge=0)
+    min_batch_size: int = Field(default=1, ge=1)
     poll_s: float = Field(default=1.0, gt=0)
     # Optimizer steps per claimed batch (one version): `epochs` passes over the batch, each
     # in `mini_batches` steps on a slice of it, the later steps kept near the sampling policy

@@ -440,7 +440,8 @@ def claim_batch(
     (`fair_draw`), or of `user_id` only, when given (personal mode).
 
     Returns (claim, skipped counts). A full batch is returned at once; a partial one after it
-    has waited `max_wait_s` since its first sample appeared. Unusable rows met on the way are
+    has waited `max_wait_s` since its first sample appeared, once it holds `min_batch_size`
+    samples (or all `batch_size`, when that is smaller). Unusable rows met on the way are
     marked (committed immediately) and counted. Returns (None, counts) when `should_stop()`
     turns true or nothing trainable arrived within `give_up_after_s`.
     """
@@ -473,7 +474,8 @@ def claim_batch(
         if rows and first_seen is None:
             first_seen = now
         full = len(rows) >= cfg.batch_size
-        waited = first_seen is not None and now - first_seen >= cfg.max_wait_s
+        waited = first_seen is not None and now - first_seen >= cfg.max_wait_s \
+            and len(rows) >= min(cfg.min_batch_size, cfg.batch_size)
         if rows and (full or waited):
             samples = [SampleRow(r.id, list(r.prompt_ids), list(r.response_ids),
                                  list(r.rollout_logprobs),

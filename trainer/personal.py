@@ -94,11 +94,14 @@ def ready_users(db: Engine) -> list[Ready]:
                 for r in conn.execute(query)]
 
 
-def pick_user(ready: list[Ready], batch_size: int, max_wait_s: float) -> int | None:
-    """The first user (in `ready_users` order) with a full batch or one that waited long
-    enough: round robin over users, so a busy user cannot starve the others."""
+def pick_user(ready: list[Ready], batch_size: int, max_wait_s: float,
+              min_batch_size: int = 1) -> int | None:
+    """The first user (in `ready_users` order) with a full batch, or one that waited long
+    enough and holds `min_batch_size`: round robin over users, so a busy user cannot starve
+    the others."""
     for r in ready:
-        if r.samples >= batch_size or r.waited_s >= max_wait_s:
+        if r.samples >= batch_size or (r.waited_s >= max_wait_s
+                                       and r.samples >= min(min_batch_size, batch_size)):
             return r.user_id
     return None
 
@@ -330,7 +333,8 @@ def train_user(settings: Settings, db: Engine, backend: TorchBackend, user_id: i
     else:
         backend.load_adapter(folder)
     # The user was picked because their batch is full or waited long enough: take it now.
-    claim, skipped = claim_batch(db, cfg.model_copy(update={"max_wait_s": 0.0}),
+    claim, skipped = claim_batch(db, cfg.model_copy(update={"max_wait_s": 0.0,
+                                                          "min_batch_size": 1}),
                                  backend.limits, current, give_up_after_s=0.0,
                                  user_id=user_id)
     if claim is None:
@@ -389,7 +393,8 @@ def train_personal(settings: Settings, *, max_steps: int | None = None, once: bo
                         extra={"action": "engine_unreachable"})
         step, ok_steps, idle_since = next_step(db), 0, time.monotonic()
         while not stop() and (max_steps is None or ok_steps < max_steps):
-            user = pick_user(ready_users(db), cfg.batch_size, cfg.max_wait_s)
+            user = pick_user(ready_users(db), cfg.batch_size, cfg.max_wait_s,
+                             cfg.min_batch_size)
             line = None if user is None else train_user(settings, db, backend, user, step)
             if line is None:
                 if once and time.monotonic() - idle_since >= cfg.max_wait_s:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -59,6 +60,31 @@ def test_partial_batch_after_max_wait_and_none_when_nothing_arrives(
     claim, _ = claim_batch(db, cfg(batch_size=16, max_wait_s=0.05), LIMITS, 0)
     assert claim is not None and claim.batch.sample_ids == [only]
     claim.release()
+
+
+def test_a_partial_batch_waits_for_min_batch_size(
+        db: Engine, add_sample: SampleFactory) -> None:
+    """At a person's pace a lone sample is not a version: past `max_wait_s` the batch still
+    waits for a second; a full batch smaller than the minimum is a batch."""
+    from trainer.personal import Ready, pick_user
+
+    first = add_sample()
+    wanted = cfg(batch_size=16, max_wait_s=0.05, min_batch_size=2)
+    deadline = time.monotonic() + 0.4
+    claim, _ = claim_batch(db, wanted, LIMITS, 0,
+                           should_stop=lambda: time.monotonic() > deadline)
+    assert claim is None
+    second = add_sample()
+    claim, _ = claim_batch(db, wanted, LIMITS, 0)
+    assert claim is not None and claim.batch.sample_ids == [first, second]
+    claim.release()
+    claim, _ = claim_batch(db, cfg(batch_size=2, max_wait_s=60, min_batch_size=4), LIMITS, 0)
+    assert claim is not None and len(claim.batch.sample_ids) == 2
+    claim.release()
+    # Personal mode picks a user by the same rule.
+    lone, pair = Ready(1, 1, 99.0), Ready(2, 2, 99.0)
+    assert pick_user([lone, pair], 16, 30.0, 2) == 2
+    assert pick_user([lone], 16, 30.0, 1) == 1 and pick_user([lone], 16, 30.0, 2) is None
 
 
 def test_stale_samples_are_skipped_and_counted(db: Engine, add_sample: SampleFactory, sample_state: States) -> None:
