@@ -54,14 +54,13 @@ import httpx
 
 from clawrl.eval.everyday import PREFS, Everyday, Question, load, satisfies
 
-SESSION_HEADER = "x-clawrl-session-id"
+TURN_HEADER = "x-clawrl-turn-id"  # the proxy names every reply's turn
 
 
 @dataclass
 class Reply:
     at: float  # unix time the reply arrived
-    session: str
-    index: int  # the turn's index in its session
+    turn: str  # its turn's uid (`X-Clawrl-Turn-Id`)
     first: bool  # the first reply to a question (not a redo)
     satisfied: bool
     on_topic: bool
@@ -71,13 +70,13 @@ class Reply:
 @dataclass
 class FollowUp:
     sent: float  # unix time the follow-up was sent
-    session: str
-    index: int  # the index of the turn it follows up
+    turn: str  # the uid of the turn (the reply) it follows up
     kind: str  # correction | off_topic | praise | move_on
     judged_s: float | None = None
     served_s: float | None = None
     version: int | None = None
-    status: str = "untrained"  # served | rejected | skipped: REASON | untrained | unjudged
+    # served | rejected | skipped: REASON | no sample | untrained | unjudged
+    status: str = "untrained"
 
 
 @dataclass
@@ -110,13 +109,12 @@ class Person:
         if resp.status_code != 200:
             raise RuntimeError(f"{resp.status_code} {resp.text[:200]}")
         content = resp.json()["choices"][0]["message"]["content"] or ""
-        return str(content), resp.headers.get(SESSION_HEADER, "")
+        return str(content), resp.headers.get(TURN_HEADER, "")
 
-    async def follow(self, messages: list[dict[str, str]], session: str, kind: str,
+    async def follow(self, messages: list[dict[str, str]], turn: str, kind: str,
                      text: str, done: bool) -> tuple[str, str]:
-        index = sum(m["role"] == "assistant" for m in messages) - 1
         messages.append({"role": "user", "content": text})
-        self.run.followups.append(FollowUp(time.time(), session, index, kind))
+        self.run.followups.append(FollowUp(time.time(), turn, kind))
         return await self.send(messages, 1 if done else None, done)
 
     async def conversation(self, questions: int = 2) -> None:
@@ -124,20 +122,18 @@ class Person:
         messages: list[dict[str, str]] = []
         q: Question = self.rng.choice(pool)
         messages.append({"role": "user", "content": q.text})
-        reply, session = await self.send(messages)
+        reply, turn = await self.send(messages)
         asked, attempt = 1, 0
         while True:
             messages.append({"role": "assistant", "content": reply})
             topical, ok = q.on_topic(reply), satisfies(self.pref, reply)
-            self.run.replies.append(Reply(time.time(), session,
-                                          sum(m["role"] == "assistant" for m in messages) - 1,
-                                          attempt == 0, ok, topical))
+            self.run.replies.append(Reply(time.time(), turn, attempt == 0, ok, topical))
             await self.think()
             if not (topical and ok) and attempt == 0:  # object or correct, then a redo
                 kind = "off_topic" if not topical else "correction"
                 text = (self.data.say("off_topic", self.rng, q.text) if not topical
                         else self.data.say(f"style:{self.pref}", self.rng))
-                reply, _ = await self.follow(messages, session, kind, text, done=False)
+                reply, turn = await self.follow(messages, turn, kind, text, done=False)
                 attempt = 1
                 continue
             if asked == questions or not (topical and ok):  # the last word, then done
@@ -146,11 +142,11 @@ class Person:
                 text = (self.data.say("praise", self.rng) if kind == "praise" else
                         self.data.say("off_topic", self.rng, q.text) if not topical else
                         self.data.say(f"style:{self.pref}", self.rng))
-                await self.follow(messages, session, kind, text, done=True)
+                await self.follow(messages, turn, kind, text, done=True)
                 return
             q = self.rng.choice(pool)
             text = self.data.say("move_on", self.rng, q.text)
-            reply, _ = await self.follow(messages, session, "move_on", text, done=False)
+            reply, turn = await self.follow(messages, turn, "move_on", text, done=False)
             asked, attempt = asked + 1, 0
 
 
@@ -171,8 +167,8 @@ async def chat_for(person: Person, minutes: float) -> None:
 # --- reading the stack's tables ------------------------------------------------------------
 
 _ROWS = """
-SELECT t.session_id::text AS session, t.index_in_session AS index, t.weight_version,
-       j.created_at AS judged_at, s.trained_step, s.skipped_reason,
+SELECT t.uid::text AS turn, t.weight_version,
+       j.created_at AS judged_at, s.id AS sample, s.trained_step, s.skipped_reason,
        v.version, v.status, v.published_at
   FROM turns t
   LEFT JOIN LATERAL (SELECT created_at FROM judgments WHERE turn_id = t.id
@@ -183,15 +179,14 @@ SELECT t.session_id::text AS session, t.index_in_session AS index, t.weight_vers
 """
 
 
-def read_turns(db_url: str, user_id: int) -> dict[tuple[str, int], dict[str, Any]]:
+def read_turns(db_url: str, user_id: int) -> dict[str, dict[str, Any]]:
     import psycopg
     from psycopg.rows import dict_row
 
     from clawrl.base.db import libpq_url
 
     with psycopg.connect(libpq_url(db_url), row_factory=dict_row) as conn:
-        return {(r["session"], r["index"]): r
-                for r in conn.execute(_ROWS, {"user": user_id}).fetchall()}
+        return {r["turn"]: r for r in conn.execute(_ROWS, {"user": user_id}).fetchall()}
 
 
 def read_versions(db_url: str, since: dt.datetime) -> list[dict[str, Any]]:
@@ -207,16 +202,18 @@ def read_versions(db_url: str, since: dt.datetime) -> list[dict[str, Any]]:
             "ORDER BY version", (since,)).fetchall())
 
 
-def settle(run: Run, rows: dict[tuple[str, int], dict[str, Any]]) -> bool:
+def settle(run: Run, rows: dict[str, dict[str, Any]]) -> bool:
     """Fill each follow-up's figures from the rows; True when none is still waiting."""
     waiting = False
     for f in run.followups:
-        row = rows.get((f.session, f.index))
+        row = rows.get(f.turn)
         if row is None or row["judged_at"] is None:
             f.status, waiting = "unjudged", True
             continue
         f.judged_s = row["judged_at"].timestamp() - f.sent
-        if row["skipped_reason"]:
+        if row["sample"] is None:  # judged without a sample (no majority, skipped, opted out)
+            f.status = "no sample"
+        elif row["skipped_reason"]:
             f.status = f"skipped: {row['skipped_reason']}"
         elif row["trained_step"] is None:
             f.status, waiting = "untrained", True
@@ -228,7 +225,7 @@ def settle(run: Run, rows: dict[tuple[str, int], dict[str, Any]]) -> bool:
         else:
             f.status, waiting = "untrained", True  # trained, not yet published
     for r in run.replies:
-        row = rows.get((r.session, r.index))
+        row = rows.get(r.turn)
         r.version = None if row is None else row["weight_version"]
     return not waiting
 
