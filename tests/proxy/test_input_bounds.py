@@ -59,12 +59,22 @@ async def test_fields_outside_the_allow_list_are_400(
 
 async def test_reply_fields_sent_back_are_dropped(proxy_factory: ProxyFactory, db_url: str,
                                                   engine_url: str) -> None:
-    """An assistant message resent as the SDK returned it (`refusal: null`, ...) is fine."""
+    """An assistant message resent as the SDK returned it (`refusal: null`, ...) is fine, and
+    so is one resent as litellm returned it (its `provider_specific_fields`, whatever they
+    hold: litellm's bookkeeping, never part of the conversation)."""
     proxy = await proxy_factory(engine_url)
     _, key = create_user(db_url, "u")
+    call = {"index": 0, "function": {"arguments": "{}", "name": "now"}, "id": "call_1",
+            "type": "function"}
     messages = [{"role": "user", "content": "hi"},
                 {"role": "assistant", "content": "hello", "refusal": None, "audio": None,
                  "function_call": None, "annotations": []},
+                {"role": "user", "content": "time?"},
+                {"content": "", "role": "assistant", "tool_calls": [call],
+                 "function_call": None, "provider_specific_fields": {"refusal": None}},
+                {"role": "tool", "tool_call_id": "call_1", "content": "noon"},
+                {"role": "assistant", "content": "noon",
+                 "provider_specific_fields": {"citations": ["x"]}},
                 {"role": "user", "content": "more"}]
     async with httpx.AsyncClient(base_url=proxy.url, timeout=60) as http:
         response = await http.post(CHAT, json={"model": "default", "messages": messages,
@@ -74,6 +84,8 @@ async def test_reply_fields_sent_back_are_dropped(proxy_factory: ProxyFactory, d
     await proxy.settle()
     [(stored,)] = query(db_url, "SELECT request_messages FROM turns")
     assert stored[1] == {"role": "assistant", "content": "hello"}
+    assert stored[3] == {"role": "assistant", "content": "", "tool_calls": [call]}
+    assert stored[5] == {"role": "assistant", "content": "noon"}
 
 
 async def test_max_tokens_capped_at_context(proxy_factory: ProxyFactory, db_url: str,
