@@ -157,6 +157,12 @@ class TrainerSettings(BaseModel):
     # Where `v{N:06d}/` checkpoints go. None: `<state_dir>/weights`.
     weights_dir: Path | None = None
     device: str = "auto"  # auto | cpu | cuda | cuda:N
+    # torch's CPU threads for `clawrl train` (0: torch's default, one per core). On a small
+    # machine the trainer shares the cores with the engines: `clawrl up` gives it half of
+    # them, since two processes each running one thread per core slow each other several
+    # times over (the gate's probe: 59 s on one thread against 208 s on two, beside a busy
+    # engine on 2 cores).
+    threads: int = Field(default=0, ge=0)
     dtype: Literal["float32", "bfloat16"] = "float32"
     seed: int = 0
     lora: LoraSettings = LoraSettings()

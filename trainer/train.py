@@ -354,6 +354,10 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         print(f"clawrl train: {problem}", file=sys.stderr)
         return 1
+    if settings.trainer.threads:
+        import torch
+
+        torch.set_num_threads(settings.trainer.threads)
     stop = StopFlag()
     stop.install()
     try:

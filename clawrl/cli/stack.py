@@ -266,6 +266,12 @@ def judge_engine_on(args: argparse.Namespace) -> bool:
     return has_module("judge.worker") and has_module("clawrl.judgemodel")
 
 
+def share_cores(env: dict[str, str]) -> None:
+    """Half the cores for the trainer, the rest for the engines (trainer/config.py
+    `threads`), unless the user chose."""
+    env.setdefault("CLAWRL_TRAINER__THREADS", str(max(1, (os.cpu_count() or 2) // 2)))
+
+
 def judge_engine_env(url: str) -> dict[str, str]:
     """A judge worker's environment for the judge model served at `url` (`clawrl judge
     serve`): its URL and the settings the model was trained for (judge/config.py)."""
@@ -455,6 +461,7 @@ def run_children(args: argparse.Namespace, state_dir: Path, db_url: str) -> int:
                 env.update(judge_engine_env(judge_url))
             stack.start("judge", ["judge"])
         if not args.no_train and has_module("trainer.train"):
+            share_cores(env)
             stack.start("train", ["train", "--model", str(model), "--engine-url", engine_url,
                                   *(["--personal"] if args.personal else [])])
         key = asyncio.run(demo_key(db_url, state_dir))

@@ -23,6 +23,7 @@ from clawrl.cli.stack import (
     StackError,
     judge_engine_env,
     pull_named_model,
+    share_cores,
     wait_healthy,
 )
 from clawrl.eval.agents import run_agent_rounds
@@ -96,6 +97,7 @@ def run_method(config: EvalConfig, method: str,
            "CLAWRL_ENGINE__URL": engine_url, "CLAWRL_PROXY__HOST": HOST,
            "CLAWRL_PROXY__PORT": str(proxy_port), "PYTHONUNBUFFERED": "1",
            **stack_env(config, method), **config.extra_env}
+    share_cores(env)
     stack = Stack(state, env)
     try:
         engine = stack.start("engine", ["engine", "--model", str(config.model.resolve()),

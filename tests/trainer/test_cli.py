@@ -215,3 +215,19 @@ def test_a_pulled_model_learns_as_an_adapter_unless_told_otherwise(
     assert not resolve_settings(megatron).trainer.lora.enabled
     tiny = resolve_settings(build_parser().parse_args(["--model", str(PREBUILT_CI)])).trainer
     assert not tiny.lora.enabled
+
+
+def test_threads_are_the_users_choice_or_half_the_cores(
+        db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from clawrl.cli.stack import share_cores
+
+    env: dict[str, str] = {}
+    share_cores(env)
+    assert env["CLAWRL_TRAINER__THREADS"] == str(max(1, (os.cpu_count() or 2) // 2))
+    mine = {"CLAWRL_TRAINER__THREADS": "3"}
+    share_cores(mine)
+    assert mine == {"CLAWRL_TRAINER__THREADS": "3"}
+    monkeypatch.setenv("CLAWRL_TRAINER__THREADS", "-1")
+    out = clawrl("train", "--model", str(tmp_path), db_url=db_url, state=tmp_path)
+    assert out.returncode == 2 and out.stderr.startswith("clawrl train: ")
+    assert len(out.stderr.strip().splitlines()) == 1
