@@ -76,3 +76,39 @@ def test_real_turns_pair_each_correction_with_a_reply_that_breaks_it() -> None:
             assert plain(by_q[row["question"]]["value"]) not in plain(reply["reply"])
     kinds = Counter(followups[t["row"]]["kind"] for t in turns)
     assert set(kinds) == {"praise", "move_on", "style", "fact", "objection"}
+
+
+def test_real_cases_and_the_right_hint_rules() -> None:
+    """`clawrl judge evaluate --real` judges (question, stored reply, follow-up); a right hint
+    is the canonical one for the judge's nine preferences and one naming the preference for
+    the others; the summary counts them apart."""
+    from clawrl.judgemodel.real import REPLIES, TURNS, real_cases, right_hint, summarize
+
+    cases = real_cases()
+    assert len(cases) == len(_rows(TURNS))
+    replies = {r["reply"] for r in _rows(REPLIES)}
+    assert all(c.reply["content"] in replies for c in cases)
+    sample = real_cases(20)
+    assert 15 <= len(sample) <= 25 and {c.row["kind"] for c in sample} >= {"praise", "style"}
+    assert right_hint("lowercase", "Write the whole reply in lowercase letters.")
+    assert not right_hint("lowercase", "Write everything in lowercase.")
+    assert right_hint("one_paragraph", "Write it as a single paragraph.")
+    assert not right_hint("one_paragraph", "Keep the reply to one short sentence.")
+    assert right_hint("formal", "Use a formal tone.") and not right_hint("formal", "Be informal.")
+    assert right_hint("language", "Reply in Spanish.", "Spanish")
+    assert not right_hint("language", "Reply in Spanish.", "German")
+    base = {"expected": -1, "reward": -1, "label": "correction", "seconds": 0.5,
+            "value": None, "finish_reason": "length"}
+    results = [{**base, "kind": "style", "preference": "brief",
+                "hint": "Keep the reply to one short sentence."},
+               {**base, "kind": "style", "preference": "casual", "hint": "Be more casual."},
+               {**base, "kind": "style", "preference": "formal", "hint": None},
+               {**base, "kind": "fact", "preference": None, "value": "Shift+S",
+                "hint": "The correct answer: press Windows + Shift + S"},
+               {**base, "kind": "praise", "label": "praise", "expected": 1, "reward": 1,
+                "preference": None, "hint": None, "finish_reason": "stop"}]
+    s = summarize(results)
+    assert s["prm"]["rate"] == 1.0 and s["prm_cut_off"]["n"] == 4
+    assert (s["style_hint"]["hits"], s["style_hint_known"]["hits"],
+            s["style_hint_new"]["n"]) == (2, 1, 2)
+    assert s["fact_hint"]["hits"] == 1 and s["praise_hint"]["hits"] == 0
