@@ -1,7 +1,7 @@
 """`clawrl judge build` and `clawrl judge evaluate`: make and measure the judge model.
 
     clawrl judge build [--state-dir .clawrl] [--turns N] [--layers K] [--threads T]
-    clawrl judge evaluate [--state-dir .clawrl] [--limit N] [--votes 3] [--port P]
+    clawrl judge evaluate [--state-dir .clawrl] [--limit N] [--votes 3] [--port P] [--real]
     clawrl judge serve [--state-dir .clawrl] [--host H] [--port 30001] [--threads 1]
 
 `build` trains the LoRA adapter into clawrl/judgemodel/adapter/ (shipped, so a fresh clone
@@ -73,6 +73,10 @@ def main(argv: list[str]) -> int:
     e.add_argument("--rows", type=Path, default=None, metavar="FILE",
                    help="judge these follow-ups (the held-out set's format) instead, e.g. "
                         "the dev set clawrl/judgemodel/data/dev_followups.jsonl")
+    e.add_argument("--real", action="store_true",
+                   help="the real-replies held-out set instead: everyday questions, "
+                        "SmolLM2-135M-Instruct's stored replies and follow-ups written apart "
+                        "(clawrl/judgemodel/data/heldout_real*.jsonl; --limit samples it)")
     e.add_argument("--agent", type=int, default=0, metavar="N",
                    help="N agent steps about the tiny world's held-out questions instead: "
                         "lookups of what was asked, of something else, tool errors, nudges")
@@ -129,6 +133,7 @@ def main(argv: list[str]) -> int:
                 report = evaluate(state, limit=args.limit, votes=args.votes, port=args.port,
                                   threads=args.threads, dtype=args.dtype, adapter=args.adapter,
                                   dev=args.dev, agent=args.agent, rows_file=args.rows,
+                                  real=args.real,
                                   speculative=args.speculative,
                                   overrides={k: v for k, v in chosen.items() if v is not None})
         except KeyboardInterrupt:

@@ -7,7 +7,8 @@ own code, `judge.judgment.cast_votes` through `judge.backends.ChatBackend`, as
 (`judge.config.JUDGE_MODEL_SETTINGS`: prompt v5, one greedy answer per turn).
 
 The held-out set (`data/heldout.jsonl`, written apart from the training phrasings) is read
-here and nowhere else. Each row (kind, label, preference, text with `{question}` / `{fact}`)
+here and nowhere else. `--real` judges the real-replies set instead (clawrl/judgemodel/real.py:
+everyday questions, SmolLM2-135M-Instruct's stored replies, follow-ups written apart). Each row (kind, label, preference, text with `{question}` / `{fact}`)
 becomes a turn in the tiny world: a question, a reply that violates the row's preference
 (style corrections), states a wrong fact (fact corrections; `{fact}` is the true one) or is
 any correct reply (praise, moving on; `{question}` is the next tiny-world question).
@@ -213,6 +214,8 @@ async def judge_case(backend: ChatBackend, case: Case, s: JudgeSettings) -> dict
             "preference": case.row["preference"], "text": case.next_state[0]["content"],
             "expected": case.expected, "reward": prm.reward, "hint": hints.hint,
             "value": case.value, "seconds": time.perf_counter() - start,
+            **{k: case.row[k] for k in ("language", "question", "finish_reason")
+               if k in case.row},
             "votes": [v.as_json() for v in prm.votes]}
 
 
@@ -264,12 +267,18 @@ def evaluate(state_dir: Path, *, limit: int | None = None, votes: int = 3, port:
              threads: int = 1, dtype: str = JUDGE_DTYPE, adapter: Path | None = None,
              seed: int = 0, overrides: dict[str, Any] | None = None, dev: int = 0,
              speculative: bool = True, agent: int = 0,
-             rows_file: Path | None = None) -> dict[str, Any]:
+             rows_file: Path | None = None, real: bool = False) -> dict[str, Any]:
     world = World.build(0)
     rng = random.Random(f"judge-eval-{seed}")
-    if agent:
+    rows: list[Any]
+    if real:
+        from clawrl.judgemodel.real import real_cases
+
+        cases = real_cases(limit, seed)
+        rows = cases
+    elif agent:
         cases = agent_cases(agent)
-        rows: list[Any] = cases
+        rows = cases
     elif dev:
         cases = dev_cases(dev, world)
         rows = cases
@@ -292,7 +301,19 @@ def evaluate(state_dir: Path, *, limit: int | None = None, votes: int = 3, port:
             proc.kill()
     how = {k: getattr(settings, k) for k in ("prm_mode", "votes", "temperature", "hint_votes",
                                                "hint_temperature")}
-    name = "agent" if agent else "dev" if dev else (rows_file or HELDOUT).stem
+    name = ("heldout_real" if real else "agent" if agent else "dev" if dev
+            else (rows_file or HELDOUT).stem)
+    if real:
+        from clawrl.judgemodel.real import right_hint
+        from clawrl.judgemodel.real import summarize as real_summary
+
+        return {"set": name, "rows": len(rows), "settings": how, "threads": threads,
+                "dtype": str(resolve_dtype(dtype, "cpu")).removeprefix("torch."),
+                "speculative": speculative, "summary": real_summary(results),
+                "targets": TARGETS, "results": results,
+                "misses": [r for r in results if r["reward"] != r["expected"]
+                           or (r["kind"] == "style" and not right_hint(
+                               r["preference"], r["hint"], r.get("language")))]}
     return {"set": name, "rows": len(rows),
             "settings": how,
             "threads": threads,
@@ -306,6 +327,11 @@ def evaluate(state_dir: Path, *, limit: int | None = None, votes: int = 3, port:
 
 
 def print_report(report: dict[str, Any]) -> None:
+    if report["set"] == "heldout_real":
+        from clawrl.judgemodel.real import print_report as print_real
+
+        print_real(report)
+        return
     s = report["summary"]
     how = report["settings"]
     print(f"{report['set']} rows judged: {report['rows']}  (PRM {how['prm_mode']} with "
