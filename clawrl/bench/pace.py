@@ -333,12 +333,20 @@ def main(argv: list[str]) -> int:
               "CLAWRL_DATABASE__URL and --proxy-url)", file=sys.stderr)
         return 2
     db_url = settings.database.url.get_secret_value()
-    run, user_id, started, since = asyncio.run(
-        _chat(args, db_url, str(proxy_url).rstrip("/").removesuffix("/v1")))
-    deadline = time.monotonic() + args.drain
-    while not settle(run, read_turns(db_url, user_id)) and time.monotonic() < deadline:
-        time.sleep(5.0)
-    summary = summarize(run, read_versions(db_url, since), started, args.window)
+    import psycopg
+    from sqlalchemy.exc import OperationalError
+
+    try:
+        run, user_id, started, since = asyncio.run(
+            _chat(args, db_url, str(proxy_url).rstrip("/").removesuffix("/v1")))
+        deadline = time.monotonic() + args.drain
+        while not settle(run, read_turns(db_url, user_id)) and time.monotonic() < deadline:
+            time.sleep(5.0)
+        summary = summarize(run, read_versions(db_url, since), started, args.window)
+    except (OperationalError, psycopg.OperationalError) as exc:
+        print(f"clawrl bench pace: the stack's database: {str(exc).splitlines()[0]}",
+              file=sys.stderr)
+        return 1
     summary["load_average_end"] = round(os.getloadavg()[0], 1)
     print(render(summary), flush=True)
     print(f"load average at the end {summary['load_average_end']}")

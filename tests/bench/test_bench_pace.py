@@ -132,3 +132,18 @@ def test_bad_arguments_are_one_line(args: list[str], says: str) -> None:
                           stdin=subprocess.DEVNULL)
     assert done.returncode == 2 and says in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_an_unreachable_database_is_one_line(tmp_path: Path) -> None:
+    import os
+
+    env = {**os.environ, "CLAWRL_DATABASE__URL":
+           "postgresql+psycopg://postgres@127.0.0.1:5432/no_such_database_for_pace",
+           "CLAWRL_STATE_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-m", "clawrl.cli.main", "bench", "pace",
+                           "--proxy-url", "http://127.0.0.1:9"], capture_output=True,
+                          text=True, cwd=REPO, timeout=120, env=env, stdin=subprocess.DEVNULL)
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.startswith("clawrl bench pace: the stack's database: ")
+    assert "no_such_database_for_pace" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
