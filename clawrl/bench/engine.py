@@ -47,10 +47,11 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import IO, Any, NoReturn
+from typing import IO, Any
 
 import torch
 
+from clawrl.bench import OneLineParser
 from clawrl.engine.prefix_cache import PrefixCache
 from clawrl.engine.pretrained import DONE_MARKER, gguf_path, pull_model
 from clawrl.engine.runtime import load_model
@@ -248,14 +249,6 @@ def _scheduler(model: Any, cache_mb: float) -> Scheduler:
                           max_batch=32, prefix_cache=PrefixCache(int(cache_mb * 2**20)))
     scheduler.start()
     return scheduler
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """Argument errors as one line (`PROG: message`), not usage plus the error."""
-
-    def error(self, message: str) -> NoReturn:
-        print(f"{self.prog}: {message}", file=sys.stderr)
-        sys.exit(2)
 
 
 def model_bench_parser(prog: str, doc: str) -> argparse.ArgumentParser:
