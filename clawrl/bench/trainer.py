@@ -28,11 +28,11 @@ the real model's training step.
    Reported per step: seconds, and tokens/s = prompt + reply tokens (unpadded) through
    forward and backward per second. Beside it (unless `--no-full`) the full-weight step
    (LoRA off, lr 2e-5, a frozen reference copy for the KL term), interleaved round by round.
-   The anchor: the matmul rate torch reaches here on the step's largest shape, over the
-   step's matmul FLOPs per token (forward 2 per weight, the reference forward 2, backward 2
-   for the activations' gradients and, full weights only, 2 for the weights'; attention
-   scores and values added): the tokens/s the step would reach if it were all matmul at
-   that rate, and the fraction reached.
+   The anchor: the matmul rate torch reaches here on the step's largest shape (measured in
+   every round, median), over the step's matmul FLOPs per token (forward 2 per weight, the
+   reference forward 2, backward 2 for the activations' gradients and, full weights only, 2
+   for the weights'; attention scores and values added): the tokens/s the step would reach
+   if it were all matmul at that rate, and the fraction reached.
 
 Figures are medians over rounds, measured side by side in one run.
 """
@@ -228,19 +228,22 @@ def bench_step(model_dir: Path, rounds: int, batch_size: int, micro: int, prompt
     warm.rollout_logp = batch.rollout_logp[:micro, :warm.loss_mask.shape[1]]
     for backend in backends.values():
         backend.train_step(warm)
+    conf: Any = first._model().config
+    hidden = int(conf.hidden_size)
+    shape = (micro * (tokens // batch_size), hidden,
+             int(getattr(conf, "intermediate_size", 4 * hidden)))
     seconds: dict[str, list[float]] = {name: [] for name, _ in kinds}
+    rates: list[float] = []
     for i in range(rounds):
         order = kinds if i % 2 == 0 else kinds[::-1]
+        rates.append(matmul_gflops(*shape))  # the anchor, in every round: the load drifts
         for name, _ in order:
             t0 = time.perf_counter()
             stats = backends[name].train_step(batch)
             seconds[name].append(time.perf_counter() - t0)
             if stats.status != "ok":
                 raise RuntimeError(f"{name} step {stats.status}: {stats.reason}")
-    conf: Any = first._model().config
-    hidden = int(conf.hidden_size)
-    gflops = matmul_gflops(micro * (tokens // batch_size), hidden,
-                           int(getattr(conf, "intermediate_size", 4 * hidden)))
+    gflops = statistics.median(rates)
     out: dict[str, dict[str, float]] = {}
     for name, _ in kinds:
         backend = backends[name]
