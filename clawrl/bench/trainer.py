@@ -1,6 +1,10 @@
-"""`clawrl bench trainer`: trainer throughput, swap pause, publish latency, peak RSS.
+"""`clawrl bench trainer`: trainer throughput, swap pause, publish latency, peak RSS, and
+the real model's training step.
 
-    clawrl bench trainer [--model DIR] [--rounds 5] [--batch 16] [--seq 256] [--no-big]
+    clawrl bench trainer [--model DIR] [--rounds 7] [--batch 16] [--seq 256] [--no-big]
+                         [--phases throughput,swap,step] [--step-model DIR]
+                         [--prompt-tokens 200] [--reply-tokens 128] [--step-rounds 3]
+                         [--no-full]
 
 1. Throughput: one `TorchBackend.train_step` against a plain hand-written loop (forward,
    logprob gather, clipped-ratio policy loss, backward, grad clip, AdamW) on a second copy of
@@ -13,6 +17,22 @@
    export time, update call time, end-to-end publish latency (export + update + read-back)
    and the swap pause = the longest probe stall during the update minus the median probe.
 3. Peak RSS of this (trainer) process during each phase, sampled every 20 ms.
+4. `--phases step` (not run by default): `TorchBackend.train_step` on SmolLM2-135M-Instruct
+   (`--step-model`, default pulled once into .clawrl/bench-cache/smollm2-135m) with the
+   settings the trainer would use: the defaults under the model's recipe.json, which `clawrl
+   models pull` writes as `train: {lora: {enabled: true}, adapter_lr: 2e-4}` (rank-16 LoRA
+   on every projection; the KL term's reference is the base with the adapter off, one more
+   forward without gradients). `--batch` samples of `--prompt-tokens` ± 25% prompt and
+   `--reply-tokens` ± 25% reply tokens (random ids, a fixed seed; rewards ±1, on-policy
+   rollout logprobs), in micro batches of `--micro`, padded as the trainer pads them.
+   Reported per step: seconds, and tokens/s = prompt + reply tokens (unpadded) through
+   forward and backward per second. Beside it (unless `--no-full`) the full-weight step
+   (LoRA off, lr 2e-5, a frozen reference copy for the KL term), interleaved round by round.
+   The anchor: the matmul rate torch reaches here on the step's largest shape (measured in
+   every round, median), over the step's matmul FLOPs per token (forward 2 per weight, the
+   reference forward 2, backward 2 for the activations' gradients and, full weights only, 2
+   for the weights'; attention scores and values added): the tokens/s the step would reach
+   if it were all matmul at that rate, and the fraction reached.
 
 Figures are medians over rounds, measured side by side in one run.
 """
@@ -32,17 +52,18 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import httpx
 import psutil
 import torch
 
 from clawrl.base.settings import EngineSettings
+from clawrl.bench import OneLineParser
 from clawrl.cli.ports import free_port
 from trainer.backends.torch import TorchBackend
 from trainer.checkpoint import save_checkpoint
-from trainer.config import TrainerSettings
+from trainer.config import TrainerSettings, model_recipe
 from trainer.data import Batch, SampleRow, collate
 from trainer.export import copy_tokenizer_files
 from trainer.publish import publish_version
@@ -135,6 +156,108 @@ def bench_throughput(model_dir: Path, rounds: int, batch_size: int, seq: int,
     ratio = statistics.median(o / p for o, p in zip(ours, plain, strict=True))
     return {"trainer_tok_s": mo, "reference_tok_s": mp, "ratio": ratio,
             "tokens_per_step": tokens}
+
+
+def step_samples(n: int, prompt_tokens: int, reply_tokens: int, vocab: int,
+                 seed: int = 0) -> list[SampleRow]:
+    """n samples of about `prompt_tokens` + `reply_tokens` tokens (each length drawn within
+    ±25%), random ids, rewards ±1: the lengths of real chat turns, whose ids cost the same."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def around(mean: int) -> int:
+        spread = mean // 4
+        return mean - spread + int(torch.randint(0, 2 * spread + 1, (1,), generator=gen))
+
+    rows = []
+    for i in range(n):
+        p, r = around(prompt_tokens), around(reply_tokens)
+        ids = torch.randint(3, vocab, (p + r,), generator=gen).tolist()
+        rows.append(SampleRow(i, ids[:p], ids[p:], [0.0] * r, None, 1 if i % 2 else -1, 0))
+    return rows
+
+
+def step_settings(model_dir: Path, batch: int, micro: int, *, lora: bool) -> TrainerSettings:
+    """The trainer's settings for this model (defaults under its recipe.json), on the CPU,
+    with LoRA on (`lora`; a model whose recipe has none gets the default adapter) or off."""
+    recipe = {k: v for k, v in model_recipe(model_dir).items() if k != "gate_probe"}
+    cfg = TrainerSettings.model_validate(
+        recipe | {"batch_size": batch, "micro_batch_size": micro, "device": "cpu"})
+    return cfg.model_copy(update={"lora": cfg.lora.model_copy(update={"enabled": lora})})
+
+
+def matmul_flops_per_token(model: torch.nn.Module, cfg: TrainerSettings,
+                           mean_len: float) -> float:
+    """Matmul FLOPs per token of one train_step (see the module docstring, 4). Every Linear
+    counts, the output head (tied to the embedding) and LoRA's rank-16 factors included."""
+    conf: Any = model.config
+    weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    # QKᵀ and AV: 2 × 2 × hidden per attended position, half the positions on average
+    attention = 4 * conf.num_hidden_layers * conf.hidden_size * mean_len / 2
+    forward = 2 * weights + attention
+    passes = 1 + (1 if cfg.kl_coef > 0 else 0) + 1 + (0 if cfg.lora.enabled else 1)
+    return float(forward * passes)
+
+
+def matmul_gflops(m: int, k: int, n: int, reps: int = 5) -> float:
+    """float32 GFLOP/s of an [m, k] @ [k, n] matmul on this process's threads (median)."""
+    a, b = torch.randn(m, k), torch.randn(k, n)
+    a @ b
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - t0)
+    return 2 * m * k * n / statistics.median(times) / 1e9
+
+
+def bench_step(model_dir: Path, rounds: int, batch_size: int, micro: int, prompt_tokens: int,
+               reply_tokens: int, full: bool) -> dict[str, dict[str, float]]:
+    """The real model's train_step, LoRA (as its recipe says) and full weights, interleaved."""
+    kinds = [("adapter", True)] + ([("full weights", False)] if full else [])
+    backends: dict[str, TorchBackend] = {}
+    for name, lora in kinds:
+        backends[name] = TorchBackend(step_settings(model_dir, batch_size, micro, lora=lora))
+        backends[name].load(model_dir)
+    first = backends["adapter"]
+    rows = step_samples(batch_size, prompt_tokens, reply_tokens, first.limits.vocab_size)
+    batch = collate(rows, 0)
+    batch.rollout_logp = first.compute_logprobs(batch) * batch.loss_mask
+    tokens = sum(len(r.prompt_ids) + len(r.response_ids) for r in rows)
+    padded = sum(int(m.input_ids.numel()) for m in batch.micro_batches(micro))
+    warm = collate(rows[:micro], 0)
+    warm.rollout_logp = batch.rollout_logp[:micro, :warm.loss_mask.shape[1]]
+    for backend in backends.values():
+        backend.train_step(warm)
+    conf: Any = first._model().config
+    hidden = int(conf.hidden_size)
+    shape = (micro * (tokens // batch_size), hidden,
+             int(getattr(conf, "intermediate_size", 4 * hidden)))
+    seconds: dict[str, list[float]] = {name: [] for name, _ in kinds}
+    rates: list[float] = []
+    for i in range(rounds):
+        order = kinds if i % 2 == 0 else kinds[::-1]
+        rates.append(matmul_gflops(*shape))  # the anchor, in every round: the load drifts
+        for name, _ in order:
+            t0 = time.perf_counter()
+            stats = backends[name].train_step(batch)
+            seconds[name].append(time.perf_counter() - t0)
+            if stats.status != "ok":
+                raise RuntimeError(f"{name} step {stats.status}: {stats.reason}")
+    gflops = statistics.median(rates)
+    out: dict[str, dict[str, float]] = {}
+    for name, _ in kinds:
+        backend = backends[name]
+        model = backend._model()
+        step_s = statistics.median(seconds[name])
+        ceiling = gflops * 1e9 / matmul_flops_per_token(model, backend.cfg, tokens / batch_size)
+        out[name] = {"step_s": step_s, "tok_s": tokens / step_s, "tokens": tokens,
+                     "padded": padded, "gflops": gflops, "ceiling_tok_s": ceiling,
+                     "fraction": tokens / step_s / ceiling,
+                     "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad)}
+    if full:
+        out["full weights"]["ratio"] = statistics.median(
+            f / a for f, a in zip(seconds["full weights"], seconds["adapter"], strict=True))
+    return out
 
 
 def build_random_model(out_dir: Path, tokenizer_dir: Path, *, hidden: int = 512,
@@ -276,8 +399,12 @@ def bench_swap(model_dir: Path, work: Path, rounds: int, threads: int) -> dict[s
             "swap_pause_max_ms": 1e3 * max(pause_s)}
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="clawrl bench trainer", description=__doc__.split("\n")[0])
+PHASES = ("throughput", "swap", "step")
+PROG = "clawrl bench trainer"
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = OneLineParser(prog=PROG, description=(__doc__ or "").split("\n")[0])
     p.add_argument("--model", type=Path, help="model dir (default: a fresh tiny test model)")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--batch", type=int, default=16)
@@ -285,22 +412,63 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--micro", type=int, default=4)
     p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2))
     p.add_argument("--no-big", action="store_true", help="skip the ~50M-parameter model")
-    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    p.add_argument("--phases", default="throughput,swap",
+                   help=f"which of {','.join(PHASES)} to run (default throughput,swap)")
+    p.add_argument("--step-model", type=Path,
+                   help="the step phase's model (default: SmolLM2-135M, pulled once)")
+    p.add_argument("--prompt-tokens", type=int, default=200)
+    p.add_argument("--reply-tokens", type=int, default=128)
+    p.add_argument("--step-rounds", type=int, default=3)
+    p.add_argument("--no-full", action="store_true", help="step phase: skip full weights")
+    args = p.parse_args(argv)
+    for name in ("rounds", "batch", "seq", "micro", "threads", "prompt_tokens",
+                 "reply_tokens", "step_rounds"):
+        if getattr(args, name) < (2 if name == "seq" else 1):
+            p.error(f"--{name.replace('_', '-')} must be at least {2 if name == 'seq' else 1}")
+    phases = [x.strip() for x in args.phases.split(",") if x.strip()]
+    if not phases or any(x not in PHASES for x in phases):
+        p.error(f"--phases takes {', '.join(PHASES)} separated by commas, not {args.phases!r}")
+    args.phases = phases
+    for name in ("model", "step_model"):
+        path = getattr(args, name)
+        if path is not None and not (path / "config.json").is_file():
+            p.error(f"--{name.replace('_', '-')} {path} is not a model directory "
+                    "(no config.json)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
     torch.set_num_threads(args.threads)
     work = Path(tempfile.mkdtemp(prefix="clawrl-bench-trainer-"))
+    ok = True
     try:
-        model = args.model
-        if model is None:
-            from clawrl.world.model import init_model_dir
+        if "throughput" in args.phases or "swap" in args.phases:
+            ok = bench_tiny(args, work)
+        if "step" in args.phases:
+            print_step(args)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0 if ok else 1
 
-            model = init_model_dir(work / "tiny", seed=0, size="test")
-        print(f"model {model}  threads {args.threads}  batch {args.batch}x{args.seq} "
-              f"micro {args.micro}  rounds {args.rounds}")
+
+def bench_tiny(args: argparse.Namespace, work: Path) -> bool:
+    model = args.model
+    if model is None:
+        from clawrl.world.model import init_model_dir
+
+        model = init_model_dir(work / "tiny", seed=0, size="test")
+    print(f"model {model}  threads {args.threads}  batch {args.batch}x{args.seq} "
+          f"micro {args.micro}  rounds {args.rounds}")
+    ok = True
+    if "throughput" in args.phases:
         with peak_rss() as rss:
             t = bench_throughput(model, args.rounds, args.batch, args.seq, args.micro)
         print(f"throughput: trainer {t['trainer_tok_s']:,.0f} tok/s  reference "
               f"{t['reference_tok_s']:,.0f} tok/s  ratio {t['ratio']:.3f} (target >= 0.9)  "
               f"peak RSS {rss['peak_mb']:.0f} MB")
+        ok = not math.isnan(t["ratio"])
+    if "swap" in args.phases:
         models = [("tiny", model)]
         if not args.no_big:
             big = work / "big"
@@ -314,11 +482,33 @@ def main(argv: list[str] | None = None) -> int:
                   f" ms  publish end-to-end {s['publish_e2e_ms']:.0f} ms  swap pause "
                   f"{s['swap_pause_ms']:.0f} ms (max {s['swap_pause_max_ms']:.0f})  "
                   f"trainer peak RSS {rss['peak_mb']:.0f} MB")
-        if math.isnan(t["ratio"]):
-            return 1
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    return 0
+    return ok
+
+
+def print_step(args: argparse.Namespace) -> None:
+    model = args.step_model
+    if model is None:
+        from clawrl.bench.engine import CACHE_DIR
+        from clawrl.engine.pretrained import pull_model
+
+        model = pull_model("smollm2-135m", CACHE_DIR)
+    recipe = {k: v for k, v in model_recipe(model).items() if k != "gate_probe"}
+    print(f"step: {model}  threads {args.threads}  batch {args.batch} samples of ~"
+          f"{args.prompt_tokens}+{args.reply_tokens} tokens  micro {args.micro}  medians of "
+          f"{args.step_rounds}  recipe {recipe or 'none (the default adapter)'}", flush=True)
+    with peak_rss() as rss:
+        figures = bench_step(model, args.step_rounds, args.batch, args.micro,
+                             args.prompt_tokens, args.reply_tokens, not args.no_full)
+    for name, f in figures.items():
+        print(f"step [{name}, {f['trainable'] / 1e6:.2f}M trainable]: {f['step_s']:.2f} s per "
+              f"step of {f['tokens']:.0f} tokens ({f['padded']:.0f} padded): "
+              f"{f['tok_s']:.0f} tokens/s", flush=True)
+        print(f"  anchor: torch matmul {f['gflops']:.1f} GFLOP/s here: all-matmul ceiling "
+              f"{f['ceiling_tok_s']:.0f} tokens/s, reached {f['fraction']:.2f}", flush=True)
+    if "full weights" in figures:
+        print(f"step: full weights / adapter, seconds per step: "
+              f"{figures['full weights']['ratio']:.2f} (median of paired rounds)  "
+              f"peak RSS {rss['peak_mb']:.0f} MB", flush=True)
 
 
 if __name__ == "__main__":
