@@ -3,6 +3,11 @@ PY ?= python3.11
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml deploy/sglang-contract.txt | sha1sum | cut -c1-12)
+# instructor in a venv of its own (docs/clients.md): every release caps jiter below 0.15,
+# which the main venv's openai 3.63 cannot have. tests/clients/ runs its driver there.
+INSTRUCTOR := $(VENV)/clients/instructor
+INSTRUCTOR_REQ := tests/clients/instructor-requirements.txt
+INSTRUCTOR_STAMP := $(INSTRUCTOR)/.installed-$(shell sha1sum < $(INSTRUCTOR_REQ) | cut -c1-12)
 
 .PHONY: up test lint install
 
@@ -21,12 +26,19 @@ $(STAMP): pyproject.toml deploy/sglang-contract.txt
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
 
-install: $(STAMP)
+# After the main install (its pip installs here: no pip of its own, about 11 s).
+$(INSTRUCTOR_STAMP): $(INSTRUCTOR_REQ) | $(STAMP)
+	test -x $(INSTRUCTOR)/bin/python || $(PY) -m venv --without-pip $(INSTRUCTOR)
+	$(BIN)/pip --python $(INSTRUCTOR)/bin/python install -q -r $(INSTRUCTOR_REQ)
+	rm -f $(INSTRUCTOR)/.installed-*
+	touch $(INSTRUCTOR_STAMP)
+
+install: $(STAMP) $(INSTRUCTOR_STAMP)
 
 up: $(STAMP)
 	$(BIN)/clawrl up
 
-test: $(STAMP)
+test: $(STAMP) $(INSTRUCTOR_STAMP)
 	$(BIN)/ruff check clawrl proxy judge trainer tests
 	$(BIN)/mypy
 	# Two workers, a test file each at a time (module fixtures stay in one process): most

@@ -1,8 +1,8 @@
 """Drive one client library through clawrl: `python drive.py LIBRARY REPORT.json`.
 
-Run by tests/clients/test_client_matrix.py, one child process per library, so each library's
-imports, global settings (the Agents SDK's default client, litellm's globals) and leftovers
-stay out of the test process. It imports its library at once, then reads the proxy's base URL
+Run by tests/clients/test_client_matrix.py, one child process per library (instructor's by
+the python of its own venv), so each library's imports, global settings (the Agents SDK's
+default client, litellm's globals) and leftovers stay out of the test process. It imports its library at once, then reads the proxy's base URL
 from stdin (the test writes it when the stack is up, so the imports overlap the start);
 `CLAWRL_KEYS` maps each feature to its own API key (its own user, so the test finds that
 feature's turns as that user's). Each feature is used the way the library's docs use it, and the report says
@@ -28,6 +28,7 @@ import sys
 import tempfile
 import traceback
 from collections.abc import Callable
+from importlib import metadata
 from pathlib import Path
 from typing import Any, Literal
 
@@ -43,6 +44,10 @@ PROMPTS = {
     "roundtrip": "Where does Omar live?",
     "structured": "Does Ada have a cat? Answer yes or no.",
     "responses": "Hi there, what is new?",
+    # instructor's own (its structured output in other modes, streamed, and re-asked)
+    "json": "Does Omar have a dog? Answer yes or no.",
+    "partial": "Does Ada like red? Answer yes or no.",
+    "retries": "Is Omar from Oslo? Answer yes or no.",
 }
 TEXT_TOKENS, TOOL_TOKENS, JSON_TOKENS = 64, 200, 48  # a tool call is about 80 tokens
 
@@ -532,11 +537,121 @@ def llm_features() -> dict[str, Callable[[str], dict[str, Any]]]:
             "responses": responses}
 
 
+# --- instructor -------------------------------------------------------------------------------
+# Run by its own venv's python ($(VENV)/clients/instructor, tests/clients/
+# instructor-requirements.txt): instructor caps jiter below 0.15, which the main venv's openai
+# 3.63 cannot have, so pip gave it the openai that fits.
+
+def instructor_features() -> dict[str, Callable[[str], dict[str, Any]]]:
+    import instructor
+    from openai import OpenAI, Stream
+    from pydantic import field_validator
+
+    def client(key: str, mode: Any = None) -> tuple[Any, list[dict[str, Any]], list[Any]]:
+        """instructor on the openai SDK's client, in its default mode (TOOLS: a forced tool
+        call) unless told; its hooks record each model call it makes (a retry is another)
+        and the messages it sent."""
+        base = OpenAI(base_url=BASE, api_key=key, max_retries=0)
+        c = instructor.from_openai(base, **({"mode": mode} if mode else {}))
+        calls: list[dict[str, Any]] = []
+        sent: list[Any] = []
+
+        def response(r: Any) -> None:
+            if isinstance(r, Stream):
+                # instructor reads the stream after this hook: join and count its chunks as
+                # they go by (the SDK's Stream iterates `_iterator`).
+                got = call(stream=True, chunks=0)
+                chunks = r._iterator
+
+                def tee() -> Any:
+                    for chunk in chunks:
+                        got["chunks"] += 1
+                        if chunk.choices:
+                            got["content"] += chunk.choices[0].delta.content or ""
+                        yield chunk
+                r._iterator = tee()
+            else:
+                m = r.choices[0].message
+                got = call(content=m.content, tool_calls=[
+                    {"name": t.function.name, "arguments": args(t.function.arguments),
+                     "id": t.id} for t in m.tool_calls or []])
+            calls.append(got)
+
+        # (a copy: a retry appends to the same list)
+        c.on("completion:kwargs", lambda *_, **kw: sent.append(list(kw["messages"])))
+        c.on("completion:response", response)
+        return c, calls, sent
+
+    def ask(feature: str) -> list[dict[str, str]]:
+        return [{"role": "user", "content": PROMPTS[feature]}]
+
+    def chat(key: str) -> dict[str, Any]:
+        # response_model=None: instructor makes the call as it is (no hooks, no retries) and
+        # hands the completion back.
+        c, _, _ = client(key)
+        r = c.create(model=MODEL, response_model=None, messages=ask("chat"),
+                     max_tokens=TEXT_TOKENS, temperature=0)
+        return {"calls": [call(content=r.choices[0].message.content)]}
+
+    def structured(key: str) -> dict[str, Any]:
+        # Its default mode: the model must call a tool named after the model (tool_choice).
+        c, calls, _ = client(key)
+        a = c.create(model=MODEL, response_model=Answer, messages=ask("structured"),
+                     max_tokens=TOOL_TOKENS, temperature=0)
+        return {"calls": calls, "parsed": a.model_dump()}
+
+    def json_schema(key: str) -> dict[str, Any]:
+        # Mode.JSON_SCHEMA: response_format json_schema, the reply's text parsed.
+        c, calls, _ = client(key, instructor.Mode.JSON_SCHEMA)
+        a = c.create(model=MODEL, response_model=Answer, messages=ask("json"),
+                     max_tokens=JSON_TOKENS, temperature=0)
+        return {"calls": calls, "parsed": a.model_dump()}
+
+    def partial(key: str) -> dict[str, Any]:
+        # create_partial streams the object as it fills in. In JSON_SCHEMA mode the JSON
+        # comes as text, piece by piece (the engine sends a tool call whole, in one delta).
+        c, calls, _ = client(key, instructor.Mode.JSON_SCHEMA)
+        parts = list(c.create_partial(model=MODEL, response_model=Answer,
+                                      messages=ask("partial"), max_tokens=JSON_TOKENS,
+                                      temperature=0))
+        return {"calls": calls, "parsed": parts[-1].model_dump(), "partials": len(parts)}
+
+    def retries(key: str) -> dict[str, Any]:
+        # A validator that turns down the first answer: instructor sends the reply back with
+        # the validation error as the tool's result and asks again (max_retries).
+        seen: list[str] = []
+
+        class CheckedAnswer(Answer):
+            """A yes or no answer, checked."""
+
+            @field_validator("answer")
+            @classmethod
+            def once_more(cls, v: str) -> str:
+                seen.append(v)
+                if len(seen) == 1:
+                    raise ValueError("Are you sure? Check once more.")
+                return v
+
+        c, calls, sent = client(key)
+        a = c.create(model=MODEL, response_model=CheckedAnswer, messages=ask("retries"),
+                     max_tokens=TOOL_TOKENS, temperature=0, max_retries=2)
+        reasks = [m for messages in sent[1:] for m in messages[len(sent[0]):]
+                  if m["role"] == "tool"]
+        return {"calls": calls, "parsed": a.model_dump(), "attempts": seen,
+                "tool_outputs": [m["content"] for m in reasks]}
+
+    return {"chat": chat, "structured": structured, "json": json_schema, "partial": partial,
+            "retries": retries}
+
+
 LIBRARIES: dict[str, Callable[[], dict[str, Callable[[str], dict[str, Any]]]]] = {
     "openai": openai_features, "langchain-openai": langchain_features,
     "openai-agents": agents_features, "pydantic-ai": pydantic_ai_features,
-    "litellm": litellm_features, "llm": llm_features,
+    "litellm": litellm_features, "llm": llm_features, "instructor": instructor_features,
 }
+# The distributions whose versions a library's report carries (the test checks them against
+# its pins where they are not the main venv's).
+DISTRIBUTIONS = {"instructor": ("instructor", "openai")}
 
 
 def main() -> None:
@@ -557,11 +672,14 @@ def main() -> None:
             result = run(keys[name])
             # What each tool call the library ran returned (all but the last call's: nothing
             # follows that one), in order: the tool messages the next calls must carry.
-            result["tool_outputs"] = [lookup(**t["arguments"]) for c in
-                                      result.get("calls", [])[:-1] for t in c["tool_calls"]]
+            # (instructor's retries report what it sent back itself.)
+            if "tool_outputs" not in result:
+                result["tool_outputs"] = [lookup(**t["arguments"]) for c in
+                                          result.get("calls", [])[:-1] for t in c["tool_calls"]]
             report[name] = {"ok": True, **result}
         except Exception:
             report[name] = {"ok": False, "error": traceback.format_exc()}
+    report["versions"] = {d: metadata.version(d) for d in DISTRIBUTIONS.get(library, ())}
     report_path.write_text(json.dumps(report, indent=1))
 
 

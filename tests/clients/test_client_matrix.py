@@ -1,10 +1,14 @@
-"""The client matrix: six OpenAI client libraries, unchanged and pointed at a real `clawrl up`
+"""The client matrix: seven OpenAI client libraries, unchanged and pointed at a real `clawrl up`
 as docs/clients.md tells a user to, each through chat, streaming, a tool offered, a tool
 round trip, structured output (each library's default way) and the Responses API where the
-library has it; every model call the library made must be a stored turn whose request and
-reply are what the library sent and got back.
+library has it (instructor: chat, its default and JSON-schema modes, a partial stream and a
+retry); every model call the library made must be a stored turn whose request and reply are
+what the library sent and got back.
 
-The libraries come with the `clients` extra (pyproject.toml), pinned. One stack serves the
+The libraries come with the `clients` extra (pyproject.toml), pinned; instructor, which cannot
+share the main venv's openai, in a venv of its own that `make install` makes
+($(VENV)/clients/instructor, tests/clients/instructor-requirements.txt); without it its cases
+are skipped, saying how to make it. One stack serves the
 whole module: `clawrl up` on the shipped tool-call tiny world model
 (clawrl/world/prebuilt/tinyworld-tools, no build), without the judge or the trainer. Sampled
 greedily it ends its replies (the Agents SDK refuses a Responses reply cut at the token limit),
@@ -48,10 +52,25 @@ FEATURES: dict[str, tuple[str, ...]] = {
     "pydantic-ai": ALL,
     "litellm": ALL,
     "llm": ALL,
+    # chat (response_model=None), structured (its default mode, TOOLS: a forced tool call),
+    # json (Mode.JSON_SCHEMA), partial (create_partial, streamed), retries (max_retries).
+    "instructor": ("chat", "structured", "json", "partial", "retries"),
 }
 # The libraries whose round trip forces the first call with `tool_choice` (llm has none).
 FORCED = {"openai", "langchain-openai", "openai-agents", "pydantic-ai", "litellm"}
 CASES = [(library, feature) for library, features in FEATURES.items() for feature in features]
+
+# instructor's venv, where `make install` makes it: $(VENV)/clients/instructor, beside the venv
+# running the tests (or this checkout's .venv, for a worktree run by another checkout's venv).
+INSTRUCTOR_REQUIREMENTS = Path(__file__).with_name("instructor-requirements.txt")
+INSTRUCTOR_PYTHON = next((python for venv in (Path(sys.prefix), REPO / ".venv") if (
+    python := venv / "clients" / "instructor" / "bin" / "python").exists()), None)
+PYTHONS = {"instructor": INSTRUCTOR_PYTHON} if INSTRUCTOR_PYTHON else {}
+MISSING = {} if INSTRUCTOR_PYTHON else {"instructor": (
+    f"instructor's own venv is missing ({Path(sys.prefix)}/clients/instructor): `make "
+    f"install` makes it, or: python3.11 -m venv --without-pip VENV/clients/instructor && "
+    f"VENV/bin/pip --python VENV/clients/instructor/bin/python install -r "
+    f"{INSTRUCTOR_REQUIREMENTS.relative_to(REPO)}")}
 
 
 @dataclass
@@ -72,8 +91,9 @@ class Driver:
         env.update(CLAWRL_KEYS=json.dumps(keys), LITELLM_LOCAL_MODEL_COST_MAP="True",
                    OPENAI_AGENTS_DISABLE_TRACING="1")
         log = folder / f"{library}.log"
+        python = PYTHONS.get(library, Path(sys.executable))
         with log.open("w") as out:
-            proc = subprocess.Popen([sys.executable, str(DRIVER), library,
+            proc = subprocess.Popen([str(python), str(DRIVER), library,
                                      str(folder / f"{library}.json")], env=env, text=True,
                                     stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT)
         return cls(library, proc, folder / f"{library}.json", log)
@@ -128,7 +148,8 @@ def matrix(module_db_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iter
     users = {case: create_user(module_db_url, "-".join(case)) for case in CASES}
     folder = tmp_path_factory.mktemp("clients")
     drivers = {library: Driver.start(library, {f: users[library, f][1] for f in features},
-                                     folder) for library, features in FEATURES.items()}
+                                     folder) for library, features in FEATURES.items()
+               if library not in MISSING}
     state = folder / "state"
     env = {k: v for k, v in os.environ.items() if not k.startswith("CLAWRL_")}
     env.update(CLAWRL_DATABASE__URL=module_db_url, CLAWRL_STATE_FILE=str(state / "stack.json"),
@@ -192,9 +213,15 @@ def check_call(got: dict[str, Any], turn: dict[str, Any]) -> None:
         assert got["id"] == f"resp_{turn['uid'].hex}"  # a Responses id names its turn
 
 
-@pytest.mark.parametrize(("library", "feature"), CASES, ids=["-".join(c) for c in CASES])
+@pytest.mark.parametrize(("library", "feature"), [
+    pytest.param(*case, id="-".join(case), marks=[pytest.mark.skip(reason=MISSING[case[0]])]
+                 if case[0] in MISSING else []) for case in CASES])
 def test_client(library: str, feature: str, matrix: Matrix) -> None:
     report = matrix.drivers[library].report()
+    if library == "instructor":  # its venv holds the pinned versions (not an older venv's)
+        pins = dict(line.split("==") for line in INSTRUCTOR_REQUIREMENTS.read_text().split()
+                    if "==" in line)
+        assert report["versions"] == pins, (report["versions"], pins)
     result = report[feature]
     assert result["ok"], f"{library} {feature} raised:\n{result['error']}"
     if "same_as" in result:  # one run covers both (llm's tool call is its round trip)
@@ -229,18 +256,33 @@ def test_client(library: str, feature: str, matrix: Matrix) -> None:
         check_structured(result, first)
     elif feature == "responses":
         assert all(c["api"] == "responses" for c in calls)
+    elif feature == "json":  # instructor's Mode.JSON_SCHEMA: response_format, not a tool
+        assert "response_format" in first["sampling"]["constraint"], first["sampling"]
+        check_structured(result, first)
+    elif feature == "partial":  # streamed, the object filled in as the JSON text came
+        [call] = calls
+        assert call["stream"] and call["chunks"] > 2 and result["partials"] > 2, call
+        assert "response_format" in first["sampling"]["constraint"], first["sampling"]
+        check_structured(result, first)
+    elif feature == "retries":  # the first answer turned down, the error sent back, asked again
+        assert len(result["attempts"]) == len(turns) == 2, (result, turns)
+        assert all("tool_choice" in t["sampling"]["constraint"] for t in turns), turns
+        assert all("Validation Error found" in out for out in result["tool_outputs"])
+        check_round_trip(result, turns, tool="CheckedAnswer")
+        check_structured(result, turns[-1])
     if library == "openai-agents":  # its default model: the Responses API, for every call
         assert all(t["params"].get("api") == "responses" for t in turns)
 
 
-def check_round_trip(result: dict[str, Any], turns: list[dict[str, Any]]) -> None:
+def check_round_trip(result: dict[str, Any], turns: list[dict[str, Any]],
+                     tool: str = "lookup") -> None:
     """Tool calls, their results sent back, the next reply: one session, each call's turn
     continued by the next, whose request ends with the results as `tool` messages (the
     earlier turn's next state)."""
     outputs = iter(result["tool_outputs"])
     for call, then in itertools.pairwise(turns):
         calls = call["response_message"]["tool_calls"]
-        assert calls and {c["function"]["name"] for c in calls} == {"lookup"}, call
+        assert calls and {c["function"]["name"] for c in calls} == {tool}, call
         assert call["state"] == "continued" and call["next_turn_id"] == then["id"], call
         assert then["session_id"] == call["session_id"]
         assert then["index_in_session"] == call["index_in_session"] + 1
@@ -258,7 +300,7 @@ def check_structured(result: dict[str, Any], turn: dict[str, Any]) -> None:
     if "response_format" in constraint:
         schema = constraint["response_format"]["json_schema"]["schema"]
         value = json.loads(turn["response_message"]["content"])
-    else:  # a tool the model must call (pydantic-ai's default structured output)
+    else:  # a tool the model must call (pydantic-ai's and instructor's default)
         assert "tool_choice" in constraint, constraint
         [call] = turn["response_message"]["tool_calls"]
         [tool] = [t for t in turn["tools"] if t["function"]["name"] == call["function"]["name"]]
