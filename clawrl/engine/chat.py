@@ -28,6 +28,7 @@ from clawrl.engine.grammar import chat_spec, offered
 from clawrl.engine.protocol import (
     ChatCompletionRequest,
     EngineError,
+    check_bias_ids,
     check_sampling,
     engine_failure,
     sse_error,
@@ -229,6 +230,7 @@ def prepare(engine: Engine, req: ChatCompletionRequest, rid: str | None) -> Sequ
     if params.max_new_tokens < 0:
         params.max_new_tokens = max(engine.context_len - len(ids), 0)
     check_sampling(params)
+    check_bias_ids(params, engine.vocab_size)
     check_context(engine, len(ids), params.max_new_tokens)
     return Sequence(rid=rid or f"chatcmpl-{uuid.uuid4().hex}", input_ids=ids, params=params,
                     return_logprob=req.logprobs, top_logprobs_num=req.top_logprobs or 0,

@@ -25,8 +25,7 @@ _SAMPLING_KEYS = {"max_new_tokens", "temperature", "top_p", "top_k", "min_new_to
                   "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty",
                   "json_schema", "regex", "ebnf", "structural_tag", "logit_bias",
                   "stop_regex", "custom_params"}
-_NEUTRAL = {"n": 1, "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
-            "repetition_penalty": 1.0, "logit_bias": None, "stop_regex": None,
+_NEUTRAL = {"n": 1, "min_p": 0.0, "repetition_penalty": 1.0, "stop_regex": None,
             "custom_params": None}
 # The structured-output constraints (SGLang: at most one per request).
 GRAMMAR_KEYS = ("json_schema", "regex", "ebnf", "structural_tag")
@@ -114,11 +113,26 @@ def sampling_from_dict(raw: dict[str, Any] | None) -> SamplingParams:
             no_stop_trim=bool(raw.get("no_stop_trim", False)),
             seed=int(raw["sampling_seed"]) if raw.get("sampling_seed") is not None else None,
             grammar=_grammar(raw),
+            presence_penalty=float(_given(raw, "presence_penalty", 0.0)),
+            frequency_penalty=float(_given(raw, "frequency_penalty", 0.0)),
+            logit_bias=_logit_bias(raw.get("logit_bias")),
         )
     except (TypeError, ValueError) as exc:
         raise EngineError(f"invalid sampling_params: {exc}") from exc
     check_sampling(params)
     return params
+
+
+def _logit_bias(raw: Any) -> dict[int, float] | None:
+    """`logit_bias` as OpenAI sends it ({"token id": bias}) -> {id: bias}; None when empty."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise EngineError("logit_bias must be an object of token ids to biases")
+    try:
+        return {int(k): float(v) for k, v in raw.items()} or None
+    except (TypeError, ValueError) as exc:
+        raise EngineError(f"logit_bias: token ids and biases must be numbers ({exc})") from exc
 
 
 def _grammar(raw: dict[str, Any]) -> tuple[str, str] | None:
@@ -148,10 +162,23 @@ def check_sampling(p: SamplingParams) -> None:
         raise EngineError("top_p must be in (0, 1]")
     if p.top_k == 0 or p.top_k < -1:
         raise EngineError("top_k must be -1 (disabled) or >= 1")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if not -2.0 <= getattr(p, name) <= 2.0:
+            raise EngineError(f"{name} must be in [-2, 2]")
+    if p.logit_bias and any(not -100.0 <= b <= 100.0 for b in p.logit_bias.values()):
+        raise EngineError("logit_bias values must be in [-100, 100]")
+    if p.logit_bias and min(p.logit_bias) < 0:
+        raise EngineError("logit_bias token ids must be >= 0")
     if p.grammar is not None and (p.ignore_eos or p.min_new_tokens):
         # The grammar ends the reply with a stop token; neither may overrule it.
         raise EngineError("ignore_eos and min_new_tokens cannot be used with a structured "
                           "output constraint")
+
+
+def check_bias_ids(p: SamplingParams, vocab_size: int) -> None:
+    """`logit_bias` names token ids of this model's vocabulary only."""
+    if p.logit_bias and max(p.logit_bias) >= vocab_size:
+        raise EngineError(f"logit_bias token ids must be in [0, {vocab_size})")
 
 
 class GenerateRequest(BaseModel):
@@ -244,11 +271,6 @@ class ChatCompletionRequest(BaseModel):
     def refuse_unsupported(self) -> None:
         if self.n != 1:
             raise EngineError("only n=1 is supported")
-        if self.frequency_penalty or self.presence_penalty:
-            raise EngineError("frequency_penalty / presence_penalty are not supported by the "
-                              "embedded engine")
-        if self.logit_bias:
-            raise EngineError("logit_bias is not supported by the embedded engine")
         if self.stream and (self.return_token_ids or self.return_prompt_token_ids):
             raise EngineError("return_token_ids is not supported with streaming on "
                               "/v1/chat/completions. Please set stream=false when using "
@@ -278,5 +300,8 @@ class ChatCompletionRequest(BaseModel):
             skip_special_tokens=self.skip_special_tokens,
             no_stop_trim=self.no_stop_trim,
             seed=self.seed,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            logit_bias=_logit_bias(self.logit_bias),
         )
         return params

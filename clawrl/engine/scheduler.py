@@ -75,6 +75,15 @@ class SamplingParams:
     # A structured-output constraint, SGLang's sampling_params key and value (e.g.
     # ("json_schema", "{...}")); clawrl/engine/grammar.py compiles it into `Sequence.constraint`.
     grammar: tuple[str, str] | None = None
+    # OpenAI's penalties on the tokens generated so far (`adjust_logits`) and biases added to
+    # the logits of token ids; the logprobs returned are those of the adjusted distribution.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+
+    @property
+    def adjusts(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
 
 
 @dataclass(eq=False)
@@ -401,7 +410,8 @@ class Scheduler:
             return False
         seq = self._running[0]
         p = seq.params
-        if not is_greedy(p) or seq.adapter is not None or seq.constraint is not None:
+        if not is_greedy(p) or seq.adapter is not None or seq.constraint is not None \
+                or p.adjusts:  # a draft is checked against the model's own argmax
             return False
         room = min(p.max_new_tokens - len(seq.output_ids), self.max_len - seq.n_cached - 1) - 1
         draft = self.drafts.draft(seq.input_ids[-self.drafts.max_n:] + seq.output_ids, room)
@@ -472,6 +482,10 @@ class Scheduler:
         Returns how the sequence finished, if it did; the caller finishes it (after taking it
         out of the running batch). Otherwise the sequence's reader is told of the new token.
         """
+        if seq.params.adjusts:
+            logits = adjust_logits(logits, seq.params, seq.output_ids)
+            if seq.constraint is None:
+                logp = F.log_softmax(logits / behaviour_temperature(seq.params), dim=-1)
         if seq.constraint is not None:
             logits = seq.constraint.mask(logits)
             logp = F.log_softmax(logits / behaviour_temperature(seq.params), dim=-1)
@@ -548,6 +562,20 @@ def behaviour_temperature(p: SamplingParams) -> float:
     """The temperature the returned logprobs are computed at: the request's, or 1 for a
     greedy request (whose argmax has no distribution of its own)."""
     return 1.0 if is_greedy(p) else float(p.temperature)
+
+
+def adjust_logits(logits: torch.Tensor, p: SamplingParams, output_ids: list[int]) -> torch.Tensor:
+    """OpenAI's penalties and `logit_bias` on one row's logits [V]: each token already
+    generated loses `presence_penalty` once and `frequency_penalty` per time it appeared, and
+    each biased token id gains its bias (ids beyond the vocabulary were refused up front)."""
+    out = logits.clone()
+    if output_ids and (p.presence_penalty or p.frequency_penalty):
+        counts = torch.bincount(torch.tensor(output_ids), minlength=out.shape[-1])[:out.shape[-1]]
+        out -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+    if p.logit_bias:
+        ids = torch.tensor(list(p.logit_bias), dtype=torch.long)
+        out[ids] += torch.tensor(list(p.logit_bias.values()), dtype=out.dtype)
+    return out
 
 
 def _sample(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator) -> int:

@@ -40,6 +40,7 @@ from clawrl.engine.protocol import (
     ChatCompletionRequest,
     EngineError,
     GenerateRequest,
+    check_bias_ids,
     describe,
     engine_failure,
     error_response,
@@ -293,6 +294,7 @@ def _generate_seqs(engine: Engine, req: GenerateRequest) -> tuple[list[Sequence]
         batched = bool(ids) and isinstance(ids[0], list)
         prompts = [list(p) for p in ids] if batched else [list(ids)]  # type: ignore[arg-type]
     params = sampling_from_dict(req.sampling_params)
+    check_bias_ids(params, engine.vocab_size)
     lora_names = req.lora_names(len(prompts))
     seqs = []
     for i, ids in enumerate(prompts):

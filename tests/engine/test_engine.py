@@ -430,3 +430,38 @@ def test_a_top_p_below_float32s_smallest_still_keeps_the_top_token(top_p: float)
     picks = {_sample(logits, SamplingParams(temperature=1.5, top_p=top_p), generator)
              for _ in range(20)}
     assert picks == {1}
+
+
+def test_penalties_and_bias_adjust_the_logits_as_openai_says() -> None:
+    from clawrl.engine.scheduler import SamplingParams, adjust_logits
+
+    p = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25, logit_bias={7: 2.0})
+    out = adjust_logits(torch.zeros(10), p, [3, 3, 5])
+    assert out.tolist() == [0, 0, 0, -1.0, 0, -0.75, 0, 2.0, 0, 0]
+    assert adjust_logits(torch.zeros(4), SamplingParams(presence_penalty=1.0), []).tolist() == \
+        [0, 0, 0, 0]
+
+
+async def test_logit_bias_and_penalties_steer_what_is_sampled(engine_url: str) -> None:
+    """A +100 bias makes greedy decoding pick one token every time, on /generate and on
+    chat; a frequency penalty then takes it away after its first pick. The logprobs are
+    those of the adjusted distribution (the biased token's is ~0)."""
+    token = 40
+    body: dict[str, Any] = {"text": "The quick brown fox", "return_logprob": True,
+                            "sampling_params": {"max_new_tokens": 4, "temperature": 0,
+                                                "ignore_eos": True,
+                                                "logit_bias": {str(token): 100}}}
+    async with httpx.AsyncClient(base_url=engine_url, timeout=60) as client:
+        out = (await client.post("/generate", json=body)).json()
+        assert out["output_ids"] == [token] * 4
+        assert all(lp > -1e-3 for lp, *_ in out["meta_info"]["output_token_logprobs"])
+        # Two units of frequency penalty per appearance beat a bias of 3: the token once.
+        body["sampling_params"].update(logit_bias={str(token): 3}, frequency_penalty=2.0,
+                                       presence_penalty=2.0)
+        penalised = (await client.post("/generate", json=body)).json()["output_ids"]
+        assert penalised[0] == token and token not in penalised[1:]
+        chat = (await client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+            "temperature": 0, "logit_bias": {str(token): 100}, "ignore_eos": True},
+            headers={"x-sglext-return-output-ids": "1"})).json()
+    assert chat["sglext"]["output_ids"] == [[token] * 3], chat
