@@ -51,7 +51,7 @@ from typing import IO, Any
 
 import torch
 
-from clawrl.bench import OneLineParser
+from clawrl.bench.args import OneLineParser
 from clawrl.engine.prefix_cache import PrefixCache
 from clawrl.engine.pretrained import DONE_MARKER, gguf_path, pull_model
 from clawrl.engine.runtime import load_model

@@ -59,7 +59,7 @@ import psutil
 import torch
 
 from clawrl.base.settings import EngineSettings
-from clawrl.bench import OneLineParser
+from clawrl.bench.args import OneLineParser
 from clawrl.cli.ports import free_port
 from trainer.backends.torch import TorchBackend
 from trainer.checkpoint import save_checkpoint

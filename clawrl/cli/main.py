@@ -52,7 +52,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "env": ("clawrl.bench.envs", "main"),
     "engine": ("clawrl.bench.engine", "main"),
     "grammar": ("clawrl.bench.grammar", "main"),
-    "pace": ("clawrl.bench.pace", "main"),
+    "pace": ("clawrl.eval.pace", "main"),  # a simulated person: lives with the eval
 }
 
 

@@ -150,14 +150,16 @@ def write_recipe(model_dir: Path) -> None:
     questions) copied beside the weights, and how it trains. A recipe the user wrote is left
     alone; one an earlier pull wrote is brought up to date."""
     recipe = model_dir / "recipe.json"
+    probe = model_dir / PULLED_PROBE
     if recipe.is_file():
         try:
             written = json.loads(recipe.read_text())
         except ValueError:
             return  # not ours to repair
-        if written == PULLED_RECIPE or written not in EARLIER_RECIPES:
+        if written not in (PULLED_RECIPE, *EARLIER_RECIPES):
+            return  # the user's own
+        if written == PULLED_RECIPE and probe.is_file():
             return
-    probe = model_dir / PULLED_PROBE
     if not probe.is_file():
         tmp = probe.with_name(f"{probe.name}.{os.getpid()}.tmp")
         tmp.write_text("".join(p.read_text() for p in GATE_PROBES))

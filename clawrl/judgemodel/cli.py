@@ -123,23 +123,28 @@ def main(argv: list[str]) -> int:
                                 "--port", str(args.port), "--served-model-name", "judge",
                                 "--threads", str(args.threads), "--dtype", args.dtype,
                                 *(SPECULATIVE_FLAGS if args.speculative else ())])
-        from clawrl.judgemodel.evaluate import evaluate, print_report
+        from clawrl.judgemodel import evaluate, real
 
         chosen = {"prm_mode": args.prm_mode, "hint_votes": args.hint_votes,
                   "prompt_version": args.prompt_version,
                   "temperature": args.temperature}
+        judged = {"votes": args.votes, "port": args.port, "dtype": args.dtype,
+                  "adapter": args.adapter,
+                  "overrides": {k: v for k, v in chosen.items() if v is not None}}
         try:
             with sigterm_as_interrupt():  # the engine child is stopped on SIGTERM too
-                report = evaluate(state, limit=args.limit, votes=args.votes, port=args.port,
-                                  threads=args.threads, dtype=args.dtype, adapter=args.adapter,
-                                  dev=args.dev, agent=args.agent, rows_file=args.rows,
-                                  real=args.real,
-                                  speculative=args.speculative,
-                                  overrides={k: v for k, v in chosen.items() if v is not None})
+                if args.real:
+                    report = real.evaluate_real(state, limit=args.limit, threads=args.threads,
+                                                speculative=args.speculative, **judged)
+                else:
+                    report = evaluate.evaluate(state, limit=args.limit, threads=args.threads,
+                                               dev=args.dev, agent=args.agent,
+                                               rows_file=args.rows,
+                                               speculative=args.speculative, **judged)
         except KeyboardInterrupt:
             print("clawrl judge evaluate: stopped", file=sys.stderr)
             return 130
-        print_report(report)
+        (real if args.real else evaluate).print_report(report)
         if args.json:
             args.json.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
         return 0

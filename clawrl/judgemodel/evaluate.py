@@ -263,28 +263,13 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def evaluate(state_dir: Path, *, limit: int | None = None, votes: int = 3, port: int = 30071,
-             threads: int = 1, dtype: str = JUDGE_DTYPE, adapter: Path | None = None,
-             seed: int = 0, overrides: dict[str, Any] | None = None, dev: int = 0,
-             speculative: bool = True, agent: int = 0,
-             rows_file: Path | None = None, real: bool = False) -> dict[str, Any]:
-    world = World.build(0)
-    rng = random.Random(f"judge-eval-{seed}")
-    rows: list[Any]
-    if real:
-        from clawrl.judgemodel.real import real_cases
-
-        cases = real_cases(limit, seed)
-        rows = cases
-    elif agent:
-        cases = agent_cases(agent)
-        rows = cases
-    elif dev:
-        cases = dev_cases(dev, world)
-        rows = cases
-    else:
-        rows = stratified(load_heldout(rows_file or HELDOUT), limit, seed)
-        cases = [make_case(world, row, rng) for row in rows]
+def judge_cases(state_dir: Path, cases: list[Any], *, votes: int = 3, port: int = 30071,
+                threads: int = 1, dtype: str = JUDGE_DTYPE, adapter: Path | None = None,
+                overrides: dict[str, Any] | None = None,
+                speculative: bool = True) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Judge `cases` with the judge model on its own engine, through the worker's voting
+    code: the results and the settings they were judged with (`evaluate`, and the
+    real-replies set's clawrl/judgemodel/real.py)."""
     settings = JudgeSettings(**{**JUDGE_MODEL_SETTINGS, "votes": votes, **(overrides or {})})
     # Merged after the rows are read, so a bad file is one line at once, not after a merge.
     model = ensure_judge_model(state_dir, adapter or ADAPTER_DIR)
@@ -301,19 +286,30 @@ def evaluate(state_dir: Path, *, limit: int | None = None, votes: int = 3, port:
             proc.kill()
     how = {k: getattr(settings, k) for k in ("prm_mode", "votes", "temperature", "hint_votes",
                                                "hint_temperature")}
-    name = ("heldout_real" if real else "agent" if agent else "dev" if dev
-            else (rows_file or HELDOUT).stem)
-    if real:
-        from clawrl.judgemodel.real import right_hint
-        from clawrl.judgemodel.real import summarize as real_summary
+    return results, how
 
-        return {"set": name, "rows": len(rows), "settings": how, "threads": threads,
-                "dtype": str(resolve_dtype(dtype, "cpu")).removeprefix("torch."),
-                "speculative": speculative, "summary": real_summary(results),
-                "targets": TARGETS, "results": results,
-                "misses": [r for r in results if r["reward"] != r["expected"]
-                           or (r["kind"] == "style" and not right_hint(
-                               r["preference"], r["hint"], r.get("language")))]}
+
+def evaluate(state_dir: Path, *, limit: int | None = None, votes: int = 3, port: int = 30071,
+             threads: int = 1, dtype: str = JUDGE_DTYPE, adapter: Path | None = None,
+             seed: int = 0, overrides: dict[str, Any] | None = None, dev: int = 0,
+             speculative: bool = True, agent: int = 0,
+             rows_file: Path | None = None) -> dict[str, Any]:
+    world = World.build(0)
+    rng = random.Random(f"judge-eval-{seed}")
+    rows: list[Any]
+    if agent:
+        cases = agent_cases(agent)
+        rows = cases
+    elif dev:
+        cases = dev_cases(dev, world)
+        rows = cases
+    else:
+        rows = stratified(load_heldout(rows_file or HELDOUT), limit, seed)
+        cases = [make_case(world, row, rng) for row in rows]
+    results, how = judge_cases(state_dir, cases, votes=votes, port=port, threads=threads,
+                               dtype=dtype, adapter=adapter, overrides=overrides,
+                               speculative=speculative)
+    name = "agent" if agent else "dev" if dev else (rows_file or HELDOUT).stem
     return {"set": name, "rows": len(rows),
             "settings": how,
             "threads": threads,
@@ -327,11 +323,6 @@ def evaluate(state_dir: Path, *, limit: int | None = None, votes: int = 3, port:
 
 
 def print_report(report: dict[str, Any]) -> None:
-    if report["set"] == "heldout_real":
-        from clawrl.judgemodel.real import print_report as print_real
-
-        print_real(report)
-        return
     s = report["summary"]
     how = report["settings"]
     print(f"{report['set']} rows judged: {report['rows']}  (PRM {how['prm_mode']} with "

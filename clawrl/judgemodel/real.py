@@ -292,6 +292,27 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def evaluate_real(state_dir: Path, *, limit: int | None = None, seed: int = 0,
+                  threads: int = 1, speculative: bool = True, **judged: Any) -> dict[str, Any]:
+    """`clawrl judge evaluate --real`: the real-replies set judged as `evaluate` judges the
+    held-out set (`judge_cases`: votes, port, dtype, adapter, overrides)."""
+    from clawrl.engine.runtime import resolve_dtype
+    from clawrl.judgemodel.evaluate import TARGETS, judge_cases
+    from clawrl.judgemodel.model import JUDGE_DTYPE
+
+    cases = real_cases(limit, seed)
+    results, how = judge_cases(state_dir, cases, threads=threads, speculative=speculative,
+                               **judged)
+    dtype = judged.get("dtype") or JUDGE_DTYPE
+    return {"set": "heldout_real", "rows": len(cases), "settings": how, "threads": threads,
+            "dtype": str(resolve_dtype(dtype, "cpu")).removeprefix("torch."),
+            "speculative": speculative, "summary": summarize(results),
+            "targets": TARGETS, "results": results,
+            "misses": [r for r in results if r["reward"] != r["expected"]
+                       or (r["kind"] == "style" and not right_hint(
+                           r["preference"], r["hint"], r.get("language")))]}
+
+
 def print_report(report: dict[str, Any]) -> None:
     s = report["summary"]
     how = report["settings"]

@@ -1,4 +1,4 @@
-"""`clawrl bench pace` (clawrl/bench/pace.py): what it reads from the stack's tables, against
+"""`clawrl bench pace` (clawrl/eval/pace.py): what it reads from the stack's tables, against
 real Postgres; a person's conversation against the proxy in front of a scripted engine; and
 its bad arguments, one readable line."""
 
@@ -15,8 +15,8 @@ import httpx
 import psycopg
 import pytest
 
-from clawrl.bench.pace import FollowUp, Person, Reply, Run, read_turns, settle, summarize
 from clawrl.eval.everyday import load
+from clawrl.eval.pace import FollowUp, Person, Reply, Run, read_turns, settle, summarize
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -249,8 +249,9 @@ async def test_engine_rejection_passes_its_message(proxy_factory: ProxyFactory, 
         for stream in (False, True):
             with pytest.raises(openai.BadRequestError) as info:
                 await client.chat.completions.create(  # type: ignore[call-overload]
-                    model="default", messages=MESSAGES, stream=stream, presence_penalty=0.5)
-            assert "presence_penalty" in info.value.message
+                    model="default", messages=MESSAGES, stream=stream,
+                    logit_bias={"99999": 5})  # in bounds for the proxy, beyond the vocabulary
+            assert "logit_bias token ids must be in" in info.value.message
             assert info.value.code == "engine_rejected"
     await proxy.settle()
     assert query(db_url, "SELECT count(*) FROM turns") == [(0,)]

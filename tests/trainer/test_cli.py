@@ -201,6 +201,10 @@ def test_a_pulled_model_learns_as_an_adapter_unless_told_otherwise(
         (model / "recipe.json").write_text(json.dumps(earlier))
         write_recipe(model)
         assert json.loads((model / "recipe.json").read_text()) == PULLED_RECIPE
+    # The probe lost from a current pull: written again.
+    (model / "gate-probe.jsonl").unlink()
+    write_recipe(model)
+    assert (model / "gate-probe.jsonl").is_file()
     # A recipe the user wrote: untouched.
     mine = {"gate_probe": "probe.jsonl", "train": {"lr": 1e-5}}
     (model / "recipe.json").write_text(json.dumps(mine))
