@@ -202,6 +202,33 @@ async def test_a_client_that_leaves_a_streamed_n_reply_ends_every_choice(
                                             (1, "client_disconnected")]
 
 
+async def test_a_streamed_choice_that_fails_is_one_error_event_the_others_go_on(
+        proxy_factory: ProxyFactory, db_url: str) -> None:
+    scripts = iter([ScriptedStream([chunk(), chunk("Hi"), chunk(finish="stop")], then="end"),
+                    ScriptedStream([chunk(), chunk("Hel")], then="drop")])
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        if not request.url.path.endswith("/chat/completions"):
+            return httpx.Response(404, json={})
+        return httpx.Response(200, headers={"content-type": "text/event-stream"},
+                              stream=next(scripts))
+
+    proxy = await proxy_factory("http://engine", transport=httpx.MockTransport(handle))
+    _, key = create_user(db_url, "pia")
+    async with httpx.AsyncClient(base_url=proxy.url, timeout=30) as http:
+        response = await http.post("/v1/chat/completions", headers={
+            "Authorization": f"Bearer {key}"}, json={"model": "default", "messages": HELLO,
+                                                     "n": 2, "stream": True})
+    events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+    errors = [e for e in events[:-1] if '"error"' in e]
+    assert len(errors) == 1
+    await proxy.settle()
+    rows = query(db_url, "SELECT group_index, status, response_message->>'content' "
+                         "FROM turns ORDER BY group_index")
+    assert rows == [(0, "ok", "Hi"), (1, "engine_error", "Hel")]
+
+
 async def test_n_choices_continue_one_conversation(proxy_factory: ProxyFactory, db_url: str,
                                                    engine_url: str) -> None:
     """The turn a request with n choices continues is continued once; the choices share its
