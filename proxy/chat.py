@@ -45,7 +45,14 @@ from clawrl.base.errors import (
     UpstreamTimeout,
 )
 from proxy.auth import VERIFIER, Principal, require_scope
-from proxy.choices import choice_body, gather_all, merge_choices
+from proxy.choices import (
+    ChoiceRenderer,
+    MergedStream,
+    choice_body,
+    gather_all,
+    merge_choices,
+    merge_relays,
+)
 from proxy.limits import DEFAULT_COMPLETION_ESTIMATE, Lease, estimate_tokens, used_tokens
 from proxy.openai_types import ChatCompletionRequest, parse_chat_request, parse_outcome_header
 from proxy.prompt_size import PromptText, prompt_text, refusal, too_long
@@ -55,6 +62,7 @@ from proxy.sessions import MAX_SESSION_ID, explicit_session_id
 from proxy.sse import ChatRenderer, Collector, Last, Renderer, StreamCollector, relay
 from proxy.upstream import (
     CHAT_PATH,
+    ChatStream,
     EngineReply,
     adapter_missing,
     client_view,
@@ -344,7 +352,9 @@ class ChatEndpoint:
                 turn.out["X-Clawrl-Session-Id"] = str(
                     explicit_session_id(principal.user_id, session_ext))
         try:
-            if n > 1:
+            if n > 1 and chat.stream:
+                await self._serve_choice_streams(receive, send, choice_turns(turn, n))
+            elif n > 1:
                 await self._serve_choices(receive, send, choice_turns(turn, n))
             elif chat.stream:
                 await self._serve_stream(receive, send, turn)
@@ -467,6 +477,56 @@ class ChatEndpoint:
         for turn in turns:
             await self._durable(turn)
         await send_json(send, 200, content, first.out)
+
+    async def _serve_choice_streams(self, receive: Receive, send: Send,
+                                    turns: list[ChatTurn]) -> None:
+        """`n` > 1, streamed (proxy/choices.py `merge_relays`): every choice's engine stream
+        at once, interleaved; each choice's turn logged when its stream ends."""
+        opened: list[ChatStream] = []
+
+        async def open_stream(body: dict[str, Any]) -> ChatStream:
+            stream: ChatStream = await self.state.upstream.open_chat_stream(
+                body, path=self.engine_path)
+            opened.append(stream)
+            return stream
+
+        try:
+            streams = await self._call_engines(receive, turns, open_stream)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                for stream in opened:  # those that opened before one failed
+                    await stream.aclose()
+            raise
+        used: dict[int, int | None] = {}
+
+        def finisher(index: int) -> Callable[[Collector, str, str | None], None]:
+            def finish(collector: Collector, status: str, error: str | None) -> None:
+                used[index] = self._finish(turns[index], collector.reply(), status, error,
+                                           settle=False)
+            return finish
+
+        first, merged = turns[0], MergedStream(len(turns))
+        first.out.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        start = {"type": "http.response.start", "status": 200,
+                 "headers": _raw_headers(first.out, _SSE, None)}
+        pieces = merge_relays([
+            relay(stream, render=ChoiceRenderer(turn.shape.renderer(turn), i, merged),
+                  finish=finisher(i), collector=self.new_collector())
+            for i, (turn, stream) in enumerate(zip(turns, streams, strict=True))], merged)
+
+        async def durable() -> None:
+            for turn in turns:
+                await self._durable(turn)
+
+        try:
+            await until_disconnect(receive, _forward(
+                start, pieces, send, durable if self._sync_durability(first) else None))
+        except ClientGone:
+            return
+        finally:
+            counted = [u for u in used.values() if u is not None]
+            first.lease.release(sum(counted) if counted else None)
+        await send({"type": "http.response.body", "body": b""})
 
     def _finish(self, turn: ChatTurn, reply: EngineReply, status: str,
                 error: str | None = None, *, settle: bool = True) -> int | None:

@@ -324,9 +324,6 @@ def validate_chat_body(body: dict[str, Any]) -> ChatCompletionRequest:
         message, param, code = describe_error(exc)
         raise BadRequest(message, code=code, param=param) from exc
     _check_arguments(request)
-    if (request.n or 1) > 1 and request.stream:
-        raise BadRequest("Unsupported value: 'n' > 1 is served whole only; set 'stream' to "
-                         "false, or 'n' to 1.", param="n", code="unsupported_value")
     params = {k: v for k, v in body.items() if k not in ("messages", "tools")}
     if len(orjson.dumps(params)) > MAX_PARAMS_BYTES:
         raise BadRequest(f"The request's parameters (all but 'messages' and 'tools') exceed "

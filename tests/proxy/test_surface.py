@@ -4,6 +4,7 @@ embedded engine and Postgres: model ids and aliases (proxy/models.py), `n` > 1
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,14 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from proxyharness import ProxyFactory, closed_port_url, create_user, query
+from proxyharness import (
+    ProxyFactory,
+    ScriptedStream,
+    chunk,
+    closed_port_url,
+    create_user,
+    query,
+)
 
 from proxy.models import clean_id
 
@@ -126,6 +134,101 @@ async def test_n_choices_are_turns_of_one_group(proxy_factory: ProxyFactory, db_
     assert usage is not None and usage.completion_tokens == sum(r[8] for r in rows)
 
 
+async def test_n_choices_stream_interleaved_each_its_own_turn(
+        proxy_factory: ProxyFactory, db_url: str, engine_url: str) -> None:
+    """Streamed, the choices come as one stream: each chunk names its choice, the choices
+    are those the same request draws whole (seed + i), one usage chunk sums them, one
+    [DONE]; each choice is its own turn of one group."""
+    proxy = await proxy_factory(engine_url)
+    _, key = create_user(db_url, "nadia")
+    async with proxy.client(key) as client:
+        whole = await client.chat.completions.create(
+            model="default", messages=HELLO, n=3, max_tokens=6, temperature=1.0, seed=11)
+        raw = await client.chat.completions.with_raw_response.create(
+            model="default", messages=HELLO, n=3, max_tokens=6, temperature=1.0, seed=11,
+            stream=True, stream_options={"include_usage": True})
+        chunks = [piece async for piece in raw.parse()]
+    texts: dict[int, str] = {}
+    for piece in chunks:
+        for choice in piece.choices:
+            texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+    assert [texts[i] for i in range(3)] == [c.message.content for c in whole.choices]
+    assert len({piece.id for piece in chunks}) == 1
+    finishes = [c.index for piece in chunks for c in piece.choices if c.finish_reason]
+    assert sorted(finishes) == [0, 1, 2]
+    usage = chunks[-1].usage
+    assert usage is not None and not chunks[-1].choices
+    assert sum(piece.usage is not None for piece in chunks) == 1
+    uids = raw.headers["x-clawrl-turn-ids"].split(",")
+    await proxy.settle()
+    rows = query(db_url, "SELECT group_index, response_message->>'content', status, "
+                         "array_length(response_ids, 1), params->>'stream', group_id "
+                         "FROM turns WHERE uid = ANY(%s) ORDER BY group_index",
+                 [uuid.UUID(u) for u in uids])
+    assert [(r[0], r[1], r[2]) for r in rows] == [(i, texts[i], "ok") for i in range(3)]
+    assert usage.completion_tokens == sum(r[3] for r in rows)
+    assert all(r[4] == "true" for r in rows) and len({r[5] for r in rows}) == 1
+
+
+async def test_a_client_that_leaves_a_streamed_n_reply_ends_every_choice(
+        proxy_factory: ProxyFactory, db_url: str) -> None:
+    """Each choice's engine stream sends a word and hangs; the user presses stop: every
+    engine request is closed, every choice's turn logged as the client leaving."""
+    streams: list[ScriptedStream] = []
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        if not request.url.path.endswith("/chat/completions"):
+            return httpx.Response(404, json={})  # the proxy asking for the engine's info
+        streams.append(ScriptedStream([chunk(), chunk("Hel", logprob=-0.5)], then="hang"))
+        return httpx.Response(200, headers={"content-type": "text/event-stream"},
+                              stream=streams[-1])
+
+    proxy = await proxy_factory("http://engine", transport=httpx.MockTransport(handle))
+    _, key = create_user(db_url, "omar")
+    async with proxy.client(key) as client:
+        response = await client.chat.completions.create(
+            model="default", messages=HELLO, n=2, stream=True)
+        async for part in response:
+            if part.choices and part.choices[0].delta.content:
+                break
+        await response.close()
+    assert len(streams) == 2
+    for stream in streams:
+        await asyncio.wait_for(stream.closed.wait(), 10)
+    await proxy.settle()
+    rows = query(db_url, "SELECT group_index, status, response_message->>'content' "
+                         "FROM turns ORDER BY group_index")
+    assert [(r[0], r[1]) for r in rows] == [(0, "client_disconnected"),
+                                            (1, "client_disconnected")]
+
+
+async def test_a_streamed_choice_that_fails_is_one_error_event_the_others_go_on(
+        proxy_factory: ProxyFactory, db_url: str) -> None:
+    scripts = iter([ScriptedStream([chunk(), chunk("Hi"), chunk(finish="stop")], then="end"),
+                    ScriptedStream([chunk(), chunk("Hel")], then="drop")])
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        if not request.url.path.endswith("/chat/completions"):
+            return httpx.Response(404, json={})
+        return httpx.Response(200, headers={"content-type": "text/event-stream"},
+                              stream=next(scripts))
+
+    proxy = await proxy_factory("http://engine", transport=httpx.MockTransport(handle))
+    _, key = create_user(db_url, "pia")
+    async with httpx.AsyncClient(base_url=proxy.url, timeout=30) as http:
+        response = await http.post("/v1/chat/completions", headers={
+            "Authorization": f"Bearer {key}"}, json={"model": "default", "messages": HELLO,
+                                                     "n": 2, "stream": True})
+    events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+    errors = [e for e in events[:-1] if '"error"' in e]
+    assert len(errors) == 1
+    await proxy.settle()
+    rows = query(db_url, "SELECT group_index, status, response_message->>'content' "
+                         "FROM turns ORDER BY group_index")
+    assert rows == [(0, "ok", "Hi"), (1, "engine_error", "Hel")]
+
+
 async def test_n_choices_continue_one_conversation(proxy_factory: ProxyFactory, db_url: str,
                                                    engine_url: str) -> None:
     """The turn a request with n choices continues is continued once; the choices share its
@@ -157,7 +260,7 @@ async def test_n_bad_values_are_400(proxy_factory: ProxyFactory, db_url: str) ->
     proxy = await proxy_factory(closed_port_url())
     _, key = create_user(db_url, "frank")
     async with httpx.AsyncClient(base_url=proxy.url) as http:
-        for extra, param in (({"n": 0}, "n"), ({"n": 9}, "n"), ({"n": 2, "stream": True}, "n"),
+        for extra, param in (({"n": 0}, "n"), ({"n": 9}, "n"),
                              ({"modalities": ["text", "audio"]}, "modalities"),
                              ({"metadata": {"k": 5}}, "metadata.k")):
             response = await http.post("/v1/chat/completions", headers={
