@@ -52,6 +52,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "env": ("clawrl.bench.envs", "main"),
     "engine": ("clawrl.bench.engine", "main"),
     "grammar": ("clawrl.bench.grammar", "main"),
+    "toolcalls": ("clawrl.bench.toolcalls", "main"),
 }
 
 
