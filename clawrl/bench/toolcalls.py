@@ -26,8 +26,8 @@ say). For each prompt and rendering:
 2. `calls`: of `--samples` replies (seeds 0, 1, …, `--max-tokens` each), how many hold a call
    to an offered tool that the engine's parser reads (clawrl/engine/chat.py
    `parse_tool_calls`: `<tool_call>` JSON, one object or a list), and how many hold a
-   `<tool_call>` tag that does not parse into one; the seeds of the first calls, which
-   reproduce them through the proxy (it passes `seed`).
+   `<tool_call>` tag that does not parse into one (the first few are printed); the seeds of
+   the first calls, which reproduce them through the proxy (it passes `seed`).
 """
 
 from __future__ import annotations
@@ -153,16 +153,18 @@ async def measure(engine: Engine, prompts: dict[str, dict[str, Any]],
             started = time.perf_counter()
             replies = await sample(engine, body, ids, args)
             called = [seed for seed, (_, calls) in enumerate(replies) if calls]
-            tags = sum(1 for text, calls in replies if not calls and TOOL_OPEN in text)
+            unread = [text for text, calls in replies if not calls and TOOL_OPEN in text]
             common, times = Counter(text for text, _ in replies).most_common(1)[0]
             seeds = f" (seeds {', '.join(map(str, called[:5]))})" if called else ""
             print(f"{name} / {rendering}: {len(ids)} prompt tokens; P(open) {p_open:.2g}, "
                   f"first {first:.2g}, T=1 {raw:.2g}; calls {len(called)}/{len(replies)}"
-                  f"{seeds}, tags without a call {tags}; "
+                  f"{seeds}, tags without a call {len(unread)}; "
                   f"{time.perf_counter() - started:.0f} s; most common reply (x{times}): "
                   f"{common[:80]!r}", flush=True)
             for seed in called[:3]:
                 print(f"  seed {seed}: {json.dumps(replies[seed][1])[:200]}", flush=True)
+            for text in unread[:3]:
+                print(f"  unread: {text[text.index(TOOL_OPEN):][:160]!r}", flush=True)
 
 
 def main(argv: list[str]) -> int:
