@@ -53,6 +53,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "engine": ("clawrl.bench.engine", "main"),
     "grammar": ("clawrl.bench.grammar", "main"),
     "pace": ("clawrl.eval.pace", "main"),  # a simulated person: lives with the eval
+    "toolcalls": ("clawrl.bench.toolcalls", "main"),
 }
 
 

@@ -582,6 +582,12 @@ def _sample(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator)
     """Greedy at temperature ~0; otherwise temperature, top-k, top-p (nucleus) sampling."""
     if is_greedy(p):
         return int(logits.argmax())
+    return int(torch.multinomial(sampling_distribution(logits, p), 1, generator=generator))
+
+
+def sampling_distribution(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The weights `_sample` draws from when not greedy: temperature, then top-k, then top-p
+    (left unnormalised after top-p, as drawn); a token the sampler can never pick weighs 0."""
     scaled = logits / p.temperature
     if 0 < p.top_k < scaled.shape[-1]:
         kth = scaled.topk(p.top_k).values[-1]
@@ -594,4 +600,4 @@ def _sample(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator)
         drop[0] = False  # a top_p under float32's smallest (1e-300) compares as 0: keep one
         sorted_probs[drop] = 0.0
         probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return probs

@@ -100,21 +100,59 @@ def rows(db_url: str, sql: str) -> list[tuple[Any, ...]]:
         return conn.execute(sql).fetchall()
 
 
-def test_openclaw_conversations_are_sessions_judged_and_its_own_calls_are_side(
-        openclaw_env: dict[str, str], smollm2_dir: Path, tmp_path: Path, db_url: str) -> None:
-    state, home = tmp_path / "state", tmp_path / "home"
+def start_up(state: Path, model_dir: Path, db_url: str, log: Path,
+             *flags: str) -> tuple[subprocess.Popen[bytes], int]:
+    """`clawrl up` serving SmolLM2-135M (as `models pull` left it) into `db_url`; its port."""
     (state / "models").mkdir(parents=True)
-    (state / "models" / "smollm2-135m").symlink_to(smollm2_dir)  # as `models pull` left it
+    (state / "models" / "smollm2-135m").symlink_to(model_dir)
     env = {k: v for k, v in os.environ.items() if not k.startswith("CLAWRL_")}
     env.update(CLAWRL_DATABASE__URL=db_url, CLAWRL_STATE_FILE=str(state / "stack.json"))
     port = free_port()
-    up_log, gw_log = tmp_path / "up.log", tmp_path / "gateway.log"
-    with up_log.open("wb") as out:
+    with log.open("wb") as out:
         up = subprocess.Popen(
             [sys.executable, "-m", "clawrl.cli.main", "up", "--state-dir", str(state), "--model",
              "smollm2-135m", "--proxy-port", str(port), "--engine-port", str(free_port()),
-             "--judge-engine-port", str(free_port()), "--no-train"],
+             *flags, "--no-train"],
             cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+    return up, port
+
+
+def stop_up(up: subprocess.Popen[bytes]) -> None:
+    up.send_signal(signal.SIGINT)
+    try:
+        up.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        up.kill()
+        up.wait()  # reaped: a killed child left unreaped is a ResourceWarning later
+
+
+def stop_group(proc: subprocess.Popen[bytes]) -> None:
+    """End a process started in its own session, and its children (OpenClaw's workers)."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+
+
+def up_key(up: subprocess.Popen[bytes], log: Path, alive: Callable[[], str | None]) -> str:
+    """Wait for `clawrl up` to be ready; the API key it printed."""
+    text = wait_until("clawrl up", lambda: "Ctrl-C stops everything." in log.read_text(
+        errors="replace") and log.read_text(errors="replace"), 400, alive)
+    key = re.search(r"API key\s+(ck-\S+)", text)
+    assert key is not None, text
+    assert "context   8192 tokens" in text  # what an agent's prompt must fit
+    return key.group(1)
+
+
+def test_openclaw_conversations_are_sessions_judged_and_its_own_calls_are_side(
+        openclaw_env: dict[str, str], smollm2_dir: Path, tmp_path: Path, db_url: str) -> None:
+    state, home = tmp_path / "state", tmp_path / "home"
+    up_log, gw_log = tmp_path / "up.log", tmp_path / "gateway.log"
+    up, port = start_up(state, smollm2_dir, db_url, up_log, "--judge-engine-port",
+                        str(free_port()))
     gateway: subprocess.Popen[bytes] | None = None
 
     def alive() -> str | None:
@@ -125,18 +163,14 @@ def test_openclaw_conversations_are_sessions_judged_and_its_own_calls_are_side(
         return None
 
     try:
-        text = wait_until("clawrl up", lambda: "Ctrl-C stops everything." in up_log.read_text(
-            errors="replace") and up_log.read_text(errors="replace"), 400, alive)
-        key = re.search(r"API key\s+(ck-\S+)", text)
-        assert key is not None, text
-        assert "context   8192 tokens" in text  # what an agent's prompt must fit
+        key = up_key(up, up_log, alive)
         models = httpx.get(f"http://127.0.0.1:{port}/v1/models",
-                           headers={"Authorization": f"Bearer {key.group(1)}"}).json()
+                           headers={"Authorization": f"Bearer {key}"}).json()
         assert [m["id"] for m in models["data"]] == ["smollm2-135m"]
         gateway_port = free_port()
         (home / ".openclaw").mkdir(parents=True)
         config = home / ".openclaw" / "openclaw.json"
-        config.write_text(json.dumps(openclaw_config(f"http://127.0.0.1:{port}", key.group(1),
+        config.write_text(json.dumps(openclaw_config(f"http://127.0.0.1:{port}", key,
                                                      gateway_port)))
         oc_env = {**openclaw_env, "HOME": str(home), "OPENCLAW_CONFIG_PATH": str(config)}
         with gw_log.open("wb") as out:
@@ -194,17 +228,83 @@ def test_openclaw_conversations_are_sessions_judged_and_its_own_calls_are_side(
         # OpenClaw's own calls: side turns, never continued or judged.
         assert side and all(t[4] in ("silent_poll", "summary") for t in side), side
         assert all(t[5] == "closed" and t[7] is None and t[8] is None for t in side)
+        # Tools are never silently dropped: every tool OpenClaw offered is in the prompt the
+        # model saw (SmolLM2's template cannot render them; the engine does).
+        from transformers import AutoTokenizer
+
+        offered, ids = rows(db_url, "SELECT tools, prompt_ids FROM turns WHERE id = "
+                                    f"{first[0]}")[0]
+        prompt = AutoTokenizer.from_pretrained(smollm2_dir).decode(ids)
+        assert offered and "<tools>" in prompt
+        assert all(f'"name": "{t["function"]["name"]}"' in prompt for t in offered), offered
     finally:
-        if gateway is not None and gateway.poll() is None:
-            os.killpg(gateway.pid, signal.SIGTERM)
-            try:
-                gateway.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(gateway.pid, signal.SIGKILL)
-                gateway.wait(timeout=30)
-        up.send_signal(signal.SIGINT)
-        try:
-            up.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            up.kill()
-            up.wait()  # reaped: a killed child left unreaped is a ResourceWarning later
+        if gateway is not None:
+            stop_group(gateway)
+        stop_up(up)
+
+
+@pytest.mark.slow
+def test_a_forced_tool_call_runs_in_openclaw_and_its_result_is_the_next_state(
+        openclaw_env: dict[str, str], smollm2_dir: Path, tmp_path: Path, db_url: str) -> None:
+    """SmolLM2-135M calls no tool under `tool_choice: "auto"`, what OpenClaw sends: the call's
+    opening `<tool_call>` lies outside the engine's default nucleus on every prompt measured
+    (docs/results/2026-12-07-smollm2-tool-calls.md). OpenClaw lets its user force one for such
+    a model (`params.extra_body`, its docs/gateway/local-models.md); with that choice made in
+    the user's config, the call reaches OpenClaw, its `exec` tool runs, and the result is the
+    next state of the turn that called. `parallel_tool_calls: false`: with more than one call
+    allowed, SmolLM2 starts a second call and runs out of tokens, and OpenClaw runs no tool of
+    a reply that ended at the length limit. Every request of the run is forced, so the agent
+    calls again after each result: the test stops OpenClaw once the first result is stored.
+    About 4 minutes on two cores: `-m slow`."""
+    state, home, up_log = tmp_path / "state", tmp_path / "home", tmp_path / "up.log"
+    up, port = start_up(state, smollm2_dir, db_url, up_log, "--no-judge-engine", "--no-judge")
+    agent: subprocess.Popen[bytes] | None = None
+    agent_log = tmp_path / "agent.log"
+
+    def alive() -> str | None:
+        if up.poll() is not None:
+            return "clawrl up exited:\n" + up_log.read_text(errors="replace")[-3000:]
+        if agent is not None and agent.poll() is not None:
+            return "openclaw agent exited:\n" + agent_log.read_text(errors="replace")[-3000:]
+        return None
+
+    try:
+        key = up_key(up, up_log, alive)
+        config = openclaw_config(f"http://127.0.0.1:{port}", key, free_port())
+        config["models"]["providers"]["clawrl"]["models"][0]["maxTokens"] = 96  # one call
+        config["tools"] = {"profile": "minimal", "toolSearch": False, "alsoAllow": ["exec"]}
+        config["agents"]["defaults"]["models"] = {"clawrl/smollm2-135m": {"params": {
+            "extra_body": {"tool_choice": "required", "parallel_tool_calls": False}}}}
+        (home / ".openclaw").mkdir(parents=True)
+        (home / ".openclaw" / "openclaw.json").write_text(json.dumps(config))
+        with agent_log.open("wb") as out:
+            agent = subprocess.Popen(
+                ["openclaw", "agent", "--local", "--session-id", "files", "--message",
+                 "List the files in the workspace.", "--json"],
+                env={**openclaw_env, "HOME": str(home),
+                     "OPENCLAW_CONFIG_PATH": str(home / ".openclaw" / "openclaw.json")},
+                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True)
+        wait_until("a tool result stored as a next state", lambda: rows(
+            db_url, "SELECT 1 FROM turns WHERE state = 'continued' AND next_turn_id IS NOT NULL"),
+            400, alive)
+        stop_group(agent)
+        turns = rows(db_url, "SELECT id, session_id, index_in_session, kind, finish_reason, "
+                             "sampling, response_message, state, next_state, next_turn_id, "
+                             "request_messages FROM turns ORDER BY id")
+        first = next(t for t in turns if t[3] == "main")
+        assert first[2] == 0 and first[4] == "tool_calls", first
+        assert first[5]["constraint"] == {"tool_choice": "required"}  # the user's, as sent
+        [call] = first[6]["tool_calls"]
+        assert call["function"]["name"] == "exec"
+        # OpenClaw ran it and sent its result: the next state of the turn that called.
+        [result] = first[8]
+        assert result["role"] == "tool" and result["content"], first[8]
+        assert result["tool_call_id"].replace("_", "") == call["id"].replace("_", "")
+        following = next(t for t in turns if t[0] == first[9])
+        assert following[1] == first[1] and following[2] == 1
+        assert following[10][-1] == result
+    finally:
+        if agent is not None:
+            stop_group(agent)
+        stop_up(up)
