@@ -249,7 +249,7 @@ def test_a_forced_tool_call_runs_in_openclaw_and_its_result_is_the_next_state(
     """SmolLM2-135M calls no tool under `tool_choice: "auto"`, what OpenClaw sends: the call's
     opening `<tool_call>` lies outside the engine's default nucleus on every prompt measured
     (docs/results/2026-12-07-smollm2-tool-calls.md). OpenClaw lets its user force one for such
-    a model (`params.extra_body`, its docs/gateway/local-models.md); with that choice made in
+    a model (`params.extra_body`, in its own documentation on local models); with that choice made in
     the user's config, the call reaches OpenClaw, its `exec` tool runs, and the result is the
     next state of the turn that called. `parallel_tool_calls: false`: with more than one call
     allowed, SmolLM2 starts a second call and runs out of tokens, and OpenClaw runs no tool of
