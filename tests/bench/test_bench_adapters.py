@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from oneline import one_line_exit
 
 from clawrl.bench.adapters import main
 
@@ -65,11 +66,7 @@ def test_bench_adapters_prints_every_figure() -> None:
 ])
 def test_bad_arguments_are_one_line(args: list[str], message: str,
                                     capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as exit_:
-        main(args)
-    assert exit_.value.code == 2
-    out, err = capsys.readouterr()
-    assert out == "" and err.count("\n") == 1
+    err = one_line_exit(main, args, capsys)
     assert err.startswith(f"clawrl bench adapters: {message}"), err
 
 

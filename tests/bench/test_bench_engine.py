@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from oneline import one_line_exit
 
 from clawrl.bench import engine as bench
 from clawrl.bench.engine import f32_gguf, install_hint, main, start_anchor
@@ -62,11 +63,7 @@ def test_missing_llama_cpp_is_one_line_on_how_to_install_it(tmp_path: Path) -> N
 ])
 def test_bad_arguments_are_one_line(args: list[str], message: str,
                                     capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as exit_:
-        main(args)
-    assert exit_.value.code == 2
-    out, err = capsys.readouterr()
-    assert out == "" and err.count("\n") == 1
+    err = one_line_exit(main, args, capsys)
     assert err.startswith(f"clawrl bench engine: {message}"), err
 
 

@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from oneline import one_line_exit
 
 from clawrl.bench.trainer import main, step_samples, step_settings
 
@@ -70,9 +71,5 @@ def test_step_phase_prints_every_figure(recipe_model: Path,
 ])
 def test_bad_arguments_are_one_line(args: list[str], message: str,
                                     capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as exit_:
-        main(args)
-    assert exit_.value.code == 2
-    out, err = capsys.readouterr()
-    assert out == "" and err.count("\n") == 1
+    err = one_line_exit(main, args, capsys)
     assert err.startswith(f"clawrl bench trainer: {message}"), err
