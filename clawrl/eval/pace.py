@@ -247,7 +247,8 @@ def summarize(run: Run, versions: list[dict[str, Any]], started: float,
     windows = []
     firsts = [r for r in run.replies if r.first]
     width = window_min * 60
-    for k in range(int(max((r.at for r in firsts), default=started) - started) // int(width) + 1):
+    last = max((r.at for r in firsts), default=started)
+    for k in range(int((last - started) // width) + 1):
         inside = [r for r in firsts if started + k * width <= r.at < started + (k + 1) * width]
         if inside:
             windows.append({
