@@ -169,8 +169,7 @@ class Gate:
 
     def __init__(self, items: list[ProbeItem], max_drop: float, tokenizer: Any,
                  max_topic_drop: float = 0.1) -> None:
-        self.items, self.max_drop, self.tokenizer = items, max_drop, tokenizer
-        self.max_topic_drop = max_topic_drop
+        self.max_drop, self.max_topic_drop, self.tokenizer = max_drop, max_topic_drop, tokenizer
         self.facts = [item for item in items if item.answers]
         self.open = [item for item in items if item.topic]
         self.base_marks: tuple[list[bool], list[bool]] | None = None
