@@ -266,7 +266,8 @@ def create_app(settings: Settings, *, db_url: str | None = None,
         # An injected transport (tests' fault injection) serves chat requests too.
         pool = create_pool(settings.engine) if engine_transport is None else None
         writer = TurnWriter(db, journal, include_system=cfg.fingerprint_system,
-                            backlog_max=cfg.turn_backlog_max, metrics=app.state.metrics)
+                            backlog_max=cfg.turn_backlog_max, metrics=app.state.metrics,
+                            early_next_state=cfg.judge_on_arrival)
         app.state.db, app.state.writer = db, writer
         app.state.upstream = upstream = Upstream(client, pool)
         app.state.models = ModelNames(cfg, upstream)

@@ -347,6 +347,7 @@ class ChatEndpoint:
             principal, body, kind, session_ext, headers, outcome, uid=turn.uid, extra=extra)
         if turn.record is not None:
             turn.record.sampling = sampling
+            state.writer.attach_early(turn.record)  # the judge reads the follow-up meanwhile
             turn.out["X-Clawrl-Turn-Id"] = turn.record.uid
             if session_ext is not None:
                 turn.out["X-Clawrl-Session-Id"] = str(

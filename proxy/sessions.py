@@ -9,6 +9,21 @@ turns. The messages after the matched prefix (the user's next message, or tool r
 are that turn's next state: they are attached to it, and a judge job enqueued, in the same
 transaction that records the new turn.
 
+The next state as the request arrives (`attach_next_state`): the proxy does not wait for
+the new request's own reply to learn what it continues. As the request arrives, before the
+engine answers it, its next state is attached to the open turn it continues and that
+turn's judge job enqueued, so the judge reads a person's correction while the reply to it is
+generated. The continued turn stays open until the request's own turn is stored, which
+continues it as above and enqueues no second judge job (one judgment per continuation, on
+the next state that arrived first). A request whose reply then fails leaves the turn open,
+so the client's retry still continues it. Cases this path leaves to the store (it attaches
+nothing): a side call, an opted-out user, a later choice of `n`, a session the client has
+ended, an explicit session matched by id alone or that would adopt an inferred one, and a
+turn not yet stored when the request arrives (a reply is sent before its turn commits, and
+an agent's tool loop can answer within milliseconds). Only the turn ending with the
+request's last assistant message is looked for, so an older turn of the conversation is
+never attached (nor locked) in its place.
+
 Canonical form (so cosmetic differences do not break a match, real edits do): role, text
 (content parts joined, surrounding whitespace and `<think>` blocks stripped, and a reply's
 leading timestamp envelope, which agents strip before replaying), tool calls as (name,
@@ -80,7 +95,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from sqlalchemy.types import ARRAY
 
 from clawrl.base.db import ChatSession, Turn
-from clawrl.base.jobs import OUTCOME_ONLY, enqueue_stmt, notify_stmt
+from clawrl.base.jobs import OUTCOME_ONLY, notify_stmt
 from proxy.openai_types import loads_bounded
 from proxy.records import TurnRecord
 from proxy.turnkinds import (
@@ -220,7 +235,14 @@ _STORED = select(_TURNS.c.uid).where(
     _TURNS.c.uid == func.any(bindparam("uids", type_=ARRAY(PG_UUID(as_uuid=True)))))
 _CONTINUE = (update(_TURNS).where(_TURNS.c.id == bindparam("matched_id"))
              .values(state="continued", next_state=bindparam("messages", type_=JSONB),
-                     next_turn_id=bindparam("new_id"), next_state_at=func.now()))
+                     next_turn_id=bindparam("new_id"),
+                     next_state_at=func.coalesce(_TURNS.c.next_state_at, func.now())))
+# The next state of a request not yet answered (`attach_next_state`): the turn stays open.
+_ATTACH = (update(_TURNS)
+           .where(_TURNS.c.id == bindparam("matched_id"), _TURNS.c.state == "open",
+                  _TURNS.c.next_state.is_(None))
+           .values(next_state=bindparam("messages", type_=JSONB), next_state_at=func.now())
+           .returning(_TURNS.c.id))
 
 
 # An open turn of an inferred session (no `X-Session-Id`), for an explicit session to adopt.
@@ -309,6 +331,24 @@ def session_candidates(user_id: int, ref: str) -> list[uuid.UUID]:
     except ValueError:
         pass
     return found
+
+
+# The judge job of a continued turn, unless it has one already (enqueued as the continuing
+# request arrived: `attach_next_state`). Outcome-only jobs do not count (the outcome may
+# have come while the turn was its session's final one), nor failed ones.
+_ENQUEUE_CONTINUED = text(f"""
+INSERT INTO jobs (kind, turn_id, payload, user_id)
+SELECT 'judge', CAST(:turn_id AS bigint), '{{}}'::jsonb, CAST(:user_id AS bigint)
+WHERE NOT EXISTS (SELECT 1 FROM jobs j WHERE j.turn_id = :turn_id AND j.kind = 'judge'
+                  AND j.status IN ('queued', 'running', 'done')
+                  AND (j.payload ->> '{OUTCOME_ONLY}') IS DISTINCT FROM 'true')
+RETURNING id
+""")
+
+
+async def _enqueue_continued(conn: AsyncConnection, turn_id: int, user_id: int) -> bool:
+    return (await conn.execute(_ENQUEUE_CONTINUED, {"turn_id": turn_id,
+                                                    "user_id": user_id})).first() is not None
 
 
 # The session's final main turn has no next state, so no request ever enqueues its judge
@@ -488,8 +528,7 @@ async def _record_turn(conn: AsyncConnection, rec: TurnRecord, include_system: b
         await conn.execute(_CONTINUE, {"matched_id": matched.id, "new_id": new_id,
                                        "messages": rec.request_messages[prefix_len:]})
         if not rec.train_opt_out:
-            await conn.execute(enqueue_stmt("judge", matched.id, user_id=rec.user_id))
-            judged = True
+            judged = await _enqueue_continued(conn, matched.id, rec.user_id)
     if rec.session_done and session_id is not None:
         await conn.execute(update(Turn).where(Turn.session_id == session_id,
                                               Turn.state == "open").values(state="closed"))
@@ -497,6 +536,40 @@ async def _record_turn(conn: AsyncConnection, rec: TurnRecord, include_system: b
         # Usually the session's last request: this turn is its final one (until continued).
         judged = await enqueue_final_judge(conn, session_id) or judged
     return judged
+
+
+async def attach_next_state(conn: AsyncConnection, record: TurnRecord, *,
+                            include_system: bool) -> bool:
+    """The request `record` has arrived and is not answered yet: if it continues an open
+    turn, attach its next state to that turn and enqueue the turn's judge job (the module's
+    docstring, "The next state as the request arrives"). Returns whether a job was
+    enqueued."""
+    rec = record.scrubbed()
+    if rec.kind != "main" or rec.train_opt_out or rec.group_index:
+        return False
+    if side_call_rule(rec.request_messages, rec.tools) is not None:
+        return False
+    explicit = (explicit_session_id(rec.user_id, rec.session_external_id)
+                if rec.session_external_id else None)
+    if explicit is not None and (await conn.execute(
+            _ENDED, {"session_id": explicit})).scalar() is not None:
+        return False
+    # Only the turn that ends with the request's last assistant message: a request may
+    # arrive before the turn it continues is stored (its reply was sent before its commit),
+    # and an older turn matching a shorter prefix must then be neither attached nor locked
+    # (the store, taking turns in served order, continues the right one).
+    prefixes = prefix_fingerprints(rec.request_messages, include_system=include_system)
+    if not prefixes:
+        return False
+    length, fingerprint = prefixes[0]
+    query = _MATCH if explicit is None else _MATCH.where(Turn.session_id == explicit)
+    matched = (await conn.execute(query, {"user_id": rec.user_id,
+                                          "fps": [fingerprint]})).first()
+    if matched is None:
+        return False
+    attached = (await conn.execute(_ATTACH, {
+        "matched_id": matched.id, "messages": rec.request_messages[length:]})).first()
+    return attached is not None and await _enqueue_continued(conn, matched.id, rec.user_id)
 
 
 async def close_stale_turns(conn: AsyncConnection, timeout_s: float) -> int:

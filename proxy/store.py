@@ -31,6 +31,16 @@ skips the stored uid). So a `kill -9` of the proxy loses at most the turns of th
 ~`durable_within_s` plus one fsync. With `durability = "sync"` the chat endpoint awaits
 `durable(uid)` before the reply's final byte (the body of a reply, `[DONE]` of a stream):
 a reply the client has read in full is never lost.
+
+The next state as the request arrives (`attach_early`): the request path hands the writer a
+request's record before its reply; a short transaction of its own attaches the request's
+next state to the turn it continues and enqueues that turn's judge job
+(proxy/sessions.py, `attach_next_state`), so the judge need not wait for the reply. It is an
+optimisation the store does not depend on: it is skipped while the journal holds turns or
+`EARLY_MAX` attaches are in flight, and its failure is logged and changes nothing, since
+storing the request's turn attaches the next state anyway. The writer stores a record only
+after its attach has ended (`EARLY_WAIT_S`, then it is cancelled and rolled back), so the
+two never compete for the continued turn's lock.
 """
 
 from __future__ import annotations
@@ -55,7 +65,8 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from clawrl.base.db import DeadLetter, User
 from proxy.journal import BadLine, Journal
 from proxy.records import TurnRecord, scrub_nul
-from proxy.sessions import record_turns
+from clawrl.base.jobs import notify_stmt
+from proxy.sessions import attach_next_state, record_turns
 
 if TYPE_CHECKING:
     from proxy.metrics import ProxyMetrics
@@ -71,6 +82,8 @@ _NUDGE = object()
 _UNREACHABLE = (OSError, TimeoutError, PoolTimeout, OperationalError, InterfaceError,
                 DisconnectionError)
 _MAX_ERROR_CHARS = 2000
+EARLY_MAX = 8  # next-state attaches in flight at once; past it a request's waits for its turn
+EARLY_WAIT_S = 5.0  # how long storing a turn waits for its request's attach
 
 
 def unreachable(exc: BaseException) -> bool:
@@ -98,8 +111,12 @@ def error_kind(exc: BaseException) -> str:
 class TurnWriter:
     def __init__(self, db: AsyncEngine, journal: Journal, *, include_system: bool,
                  batch_size: int = 64, retry_s: float = 2.0, backlog_max: int = 10_000,
-                 durable_within_s: float = 0.05, metrics: ProxyMetrics | None = None) -> None:
+                 durable_within_s: float = 0.05, metrics: ProxyMetrics | None = None,
+                 early_next_state: bool = True) -> None:
         self.db = db
+        self.early_next_state = early_next_state
+        self._early: dict[str, asyncio.Task[None]] = {}  # uid -> its request's attach
+        self.early_attached = 0  # judge jobs enqueued as their continuing request arrived
         self.journal = journal
         self.include_system = include_system
         self.batch_size = batch_size
@@ -153,6 +170,46 @@ class TurnWriter:
             return
         self._pending.add(record.uid)
         self._queue.put_nowait(record)
+
+    def attach_early(self, record: TurnRecord) -> None:
+        """The request of `record` has arrived, its reply not yet: attach its next state to
+        the turn it continues now (the module's docstring)."""
+        if (not self.early_next_state or self._stopping or record.kind != "main"
+                or record.train_opt_out or len(self._early) >= EARLY_MAX
+                or self.journal.pending or record.uid in self._early):
+            return
+        task = self._early[record.uid] = asyncio.create_task(self._attach(record),
+                                                             name="turn-writer-attach")
+        # Ended before its turn came to be stored (or its turn never comes: the request
+        # failed before its reply): nothing to wait for.
+        task.add_done_callback(lambda done, uid=record.uid: self._early.pop(uid, None)
+                               if self._early.get(uid) is done else None)
+
+    async def _attach(self, record: TurnRecord) -> None:
+        try:
+            async with self.db.begin() as conn:
+                if await attach_next_state(conn, record, include_system=self.include_system):
+                    await conn.execute(notify_stmt("judge"))
+                    self.early_attached += 1
+        except Exception as exc:  # the store attaches it anyway
+            log.warning("next state not attached early: %s", error_kind(exc),
+                        extra={"action": "early_attach_failed"})
+
+    async def _after_attaches(self, batch: list[TurnRecord]) -> None:
+        """Wait for the attaches in flight (cancelling one that takes longer than
+        `EARLY_WAIT_S`), so storing a turn never finds the turn it continues locked by an
+        attach: its own request's, or its group's (the later choices of `n` are stored
+        beside the first, whose request attached)."""
+        tasks = [t for t in self._early.values() if not t.done()]
+        for record in batch:
+            self._early.pop(record.uid, None)
+        if not tasks:
+            return
+        _, late = await asyncio.wait(tasks, timeout=EARLY_WAIT_S)
+        for task in late:
+            task.cancel()
+        if late:
+            await asyncio.gather(*late, return_exceptions=True)
 
     async def durable(self, uid: str, timeout_s: float = 30.0) -> None:
         """Wait until a submitted turn is committed or in an fsynced journal segment
@@ -220,6 +277,10 @@ class TurnWriter:
             self._inflight = []
             self._finish_batch(rest)
         self._task = None
+        early, self._early = list(self._early.values()), {}
+        for task in early:
+            task.cancel()
+        await asyncio.gather(*early, return_exceptions=True)
         if self._guard is not None:
             self._guard.cancel()
             await asyncio.gather(self._guard, return_exceptions=True)
@@ -427,6 +488,7 @@ class TurnWriter:
         """Store a batch in one transaction on the writer's own connection (kept open, so
         a batch costs no pool checkout or ping); one retry on a fresh connection, since a
         connection idle across a database restart fails once before anything is wrong."""
+        await self._after_attaches(batch)
         for attempt in (1, 2):
             try:
                 conn = self._conn or await self.db.connect()

@@ -54,6 +54,9 @@ class ProxySettings(BaseModel):
     session_timeout_s: float = 1800.0
     # Agent frameworks rewrite the system prompt per request; leave it out of fingerprints.
     fingerprint_system: bool = False
+    # Attach a request's next state to the turn it continues, and enqueue that turn's judge
+    # job, as the request arrives rather than once its own reply is stored (proxy/store.py).
+    judge_on_arrival: bool = True
     # Turns wait here when Postgres is unreachable and are replayed in order later.
     journal_path: Path | None = None
     # "group": every served turn is committed to Postgres or in an fsynced journal segment
