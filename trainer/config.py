@@ -82,6 +82,12 @@ class TrainerSettings(BaseModel):
     # Unset: `batch_mean` in personal mode (its adapters kept answer accuracy with it,
     # docs/eval.md "One adapter per user"), else `none`.
     reward_baseline: Literal["none", "batch_mean", "group_mean", "user_mean"] | None = None
+    # How a batch's tokens weigh in the loss (trainer/data.py `share_by_user`). `user`: each
+    # user of the batch weighs the same, their tokens' mean taken apart and the users' means
+    # averaged — one user's long replies (or a crowd of one key's sessions within its fair
+    # share) do not thin out what the others' samples teach; with one user it is the token
+    # mean. `token`: every response token of the batch weighs the same.
+    loss_share: Literal["user", "token"] = "user"
     # TINYWORLD.md: lr 3e-4 collapses the tiny model; stay at or below 1e-4 with a KL term.
     lr: float = Field(default=2e-5, gt=0, le=1e-3)
     # LoRA adapters' learning rate (`lora.enabled`, personal mode); None: `lr`. An adapter

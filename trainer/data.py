@@ -173,8 +173,9 @@ class Batch:
 
     @property
     def num_tokens(self) -> int:
-        """Response tokens in the batch: the token-mean denominator."""
-        return int(self.loss_mask.sum())
+        """Response tokens in the batch: the token-mean denominator (the mask's sum, which
+        `share_by_user`'s weights keep)."""
+        return round(float(self.loss_mask.sum()))
 
     @property
     def size(self) -> int:
@@ -243,6 +244,23 @@ def collate(samples: Sequence[SampleRow], current_version: int, pad_id: int = 0)
         staleness=[current_version - s.version for s in samples],
         baseline=torch.zeros(n),
         temperature=torch.tensor([float(s.temperature) for s in samples]))
+
+
+def share_by_user(batch: Batch, users: Sequence[int | None]) -> None:
+    """Weigh the batch's loss mask so each user counts the same (`loss_share = "user"`):
+    a response token of user u weighs `N / (n · N_u)` — N the batch's response tokens, n its
+    users, N_u user u's — so the masked token sum over N is the mean over users of each
+    user's token mean, and the mask still sums to N (the micro batches' denominator)."""
+    tokens = batch.loss_mask.sum(dim=1)
+    per_user: dict[int | None, float] = {}
+    for user, count in zip(users, tokens.tolist(), strict=True):
+        per_user[user] = per_user.get(user, 0.0) + count
+    if len(per_user) < 2:
+        return
+    total = float(tokens.sum())
+    weights = torch.tensor([total / (len(per_user) * per_user[u]) if per_user[u] else 0.0
+                            for u in users])
+    batch.loss_mask = batch.loss_mask * weights.unsqueeze(-1)
 
 
 @dataclass
@@ -484,6 +502,8 @@ def claim_batch(
                                  behaviour_temperature(r.sampling), r.user_id)
                        for r in rows]
             batch = collate(samples, current_version)
+            if cfg.loss_share == "user":
+                share_by_user(batch, [s.user_id for s in samples])
             if cfg.baseline != "none":
                 mixed, on = mix_rewards(method=cfg.method, w_outcome=cfg.outcome_weight,
                                         reward=batch.reward, has_reward=batch.has_reward,

@@ -26,7 +26,7 @@ ATTACK_METHODS = ("defended", "undefended")
 NO_FAIR_SHARE = {"CLAWRL_TRAINER__USER_BATCH_SHARE": "1",
                  "CLAWRL_TRAINER__USER_WINDOW_BATCHES": "0"}
 # The trainer's settings that bound one user's influence, turned off for `undefended`.
-UNDEFENDED_TRAINER: dict[str, str] = {**NO_FAIR_SHARE}
+UNDEFENDED_TRAINER: dict[str, str] = {**NO_FAIR_SHARE, "CLAWRL_TRAINER__LOSS_SHARE": "token"}
 # The tool-call track trains as `clawrl up` trains the tool-call model (trainer/config.py
 # TOOLS_RECIPE): its learning rate and the batch-mean baseline.
 TOOLCALL_LR = float(TOOLS_RECIPE["lr"])

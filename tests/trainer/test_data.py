@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from sqlalchemy import insert, select
 from sqlalchemy.engine import Engine
 
@@ -149,6 +151,30 @@ def test_collate_places_response_on_the_target_grid() -> None:
     assert batch.staleness == [1, 0] and batch.num_tokens == 3
     micro = batch.micro_batches(1)
     assert micro[1].input_ids.tolist() == [[20, 21]] and micro[1].loss_mask.tolist() == [[1]]
+
+
+def test_sharing_by_user_weighs_each_user_the_same() -> None:
+    """`share_by_user`: the weighted masked sum over N is the mean over users of each user's
+    token mean — checked against those means computed apart — and the mask still sums to N."""
+    from trainer.data import SampleRow, share_by_user
+    from trainer.loss import policy_loss
+
+    rows = [SampleRow(1, [1], [2] * 6, [-1.0] * 6, None, 1, 0),  # user 7: one long reply
+            SampleRow(2, [1], [2], [-1.0], None, 1, 0),  # user 8: two short ones
+            SampleRow(3, [1], [2, 3], [-1.0] * 2, None, 1, 0)]
+    batch = collate(rows, current_version=0)
+    share_by_user(batch, [7, 8, 8])
+    assert batch.num_tokens == 9 and math.isclose(float(batch.loss_mask.sum()), 9.0)
+    # Per-token advantages that tell the users apart: 1 for user 7, 4 for user 8.
+    adv = torch.tensor([[1.0] * 6, [4.0] + [0.0] * 5, [4.0, 4.0] + [0.0] * 4])
+    loss = policy_loss(logp_new=batch.rollout_logp, rollout_logp=batch.rollout_logp,
+                       advantages=adv, mask=batch.loss_mask, num_tokens=batch.num_tokens,
+                       eps_low=0.2, eps_high=0.2).loss
+    assert math.isclose(float(loss), -(1.0 + 4.0) / 2, rel_tol=1e-6)  # not −(6·1 + 3·4) / 9
+    alone = collate(rows[:2], current_version=0)
+    before = alone.loss_mask.clone()
+    share_by_user(alone, [7, 7])  # one user: the token mean, unchanged
+    assert torch.equal(alone.loss_mask, before)
 
 
 def test_record_step_marks_samples_in_the_same_transaction(

@@ -359,7 +359,7 @@ class MegatronBackend:
                 logp_plain = token_logprobs(raw.detach(), micro.input_ids)
         # num_tokens=1: the token *sum*; megatron divides by the global count (module doc).
         terms = micro_batch_loss(self.cfg, micro, logp_new, 1, logp_ref, entropy, logp_plain)
-        tokens = int(signal_mask(self.cfg, micro).sum())
+        tokens = round(float(signal_mask(self.cfg, micro).sum()))
         stats = torch.tensor(
             [float(terms.loss.detach()), terms.pg_sum, terms.kl_sum, terms.entropy_sum,
              terms.ratio_sum, terms.clipped_low + terms.clipped_high, tokens],

@@ -183,7 +183,7 @@ class TorchBackend:
         parts = batch.micro_batches(-(-batch.size // cfg.mini_batches))
         done = [self._update(part, replayed) for _ in range(cfg.epochs) for part in parts]
         ok = [d for d in done if d.status == "ok"]
-        num_tokens = int(signal_mask(cfg, batch).sum())
+        num_tokens = round(float(signal_mask(cfg, batch).sum()))
         if not ok:
             return StepStats(status="skipped", num_samples=batch.size, num_tokens=num_tokens,
                              seconds=time.perf_counter() - started, reason=done[0].reason)
@@ -214,7 +214,7 @@ class TorchBackend:
         model, opt = self._model(), self.optimizer
         assert opt is not None
         started = time.perf_counter()
-        num_tokens = int(signal_mask(self.cfg, batch).sum())
+        num_tokens = round(float(signal_mask(self.cfg, batch).sum()))
         model.train()
         opt.zero_grad(set_to_none=True)
         sums = {"loss": 0.0, "pg": 0.0, "kl": 0.0, "ent": 0.0, "ratio": 0.0, "clip": 0}
