@@ -151,8 +151,9 @@ class SweEnv:
         root = self.sandbox.path
         found = []
         for folder, dirs, files in os.walk(root):
-            dirs[:] = sorted(d for d in dirs if d != "__pycache__")
-            found += [Path(folder, name).relative_to(root) for name in sorted(files)]
+            links = [d for d in dirs if os.path.islink(os.path.join(folder, d))]
+            dirs[:] = sorted(d for d in dirs if d != "__pycache__" and d not in links)
+            found += [Path(folder, name).relative_to(root) for name in sorted(files + links)]
         return found
 
     async def _list_files(self) -> str:

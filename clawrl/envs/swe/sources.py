@@ -210,6 +210,11 @@ def shift_row(row, steps):
     return row[len(row) - steps:] + row[:len(row) - steps]
 
 
+def window_sums(row, size):
+    """The sums of each run of size neighbouring values in row, left to right."""
+    return [sum(row[i:i + size]) for i in range(0, len(row) - size + 1)]
+
+
 def scale(grid, factor):
     """Each cell multiplied by factor."""
     return [[value * factor for value in row] for row in grid]

@@ -8,8 +8,10 @@
 A task is a template (clawrl/envs/swe/templates.py) filled from the seed (module name, class
 name, constants, test inputs) with one bug of one kind (clawrl/envs/swe/bugs.py) at one site
 (the function and the place in it drawn from the seed too). A site only makes a task when the
-bug is caught: the buggy module, run against the correct module's answers, fails at least one
-visible test and at least one hidden test; else the next site is tried, then a new draw.
+bug is caught: the buggy module, run against the correct module's answers, fails at least two
+of the calls; then one failing call is among the visible tests (two per function, drawn
+before the bug; a failing hidden one takes a visible one's place when none fails) and at least
+one among the hidden tests. Else the next site is tried, then a new draw.
 
 The split, by template AND by bug kind:
 
@@ -72,6 +74,7 @@ class Task:
 
 
 Outcome = tuple[bool, Any]  # (raised, the value or the exception)
+Case = tuple[str, str, Outcome]  # (function, call with `@` for the module, expected outcome)
 
 
 def _load(source: str, name: str) -> types.ModuleType:
@@ -107,8 +110,9 @@ def _test(module: str, index: int, fn: str, expr: str, expected: Outcome) -> str
                 f"    raise AssertionError({call + ' returned '!r} + repr(got) + "
                 f"{', expected ' + exc!r})\n")
     want = repr(expected[1])
+    op = "is" if expected[1] is None else "=="
     return (f"def test_{fn}_{index}():\n    got = {call}\n"
-            f"    assert got == {want}, {call + ' returned '!r} + repr(got) + "
+            f"    assert got {op} {want}, {call + ' returned '!r} + repr(got) + "
             f"{', expected ' + want!r}\n")
 
 
@@ -131,14 +135,11 @@ def _draw(template: Template, kind: str, rng: random.Random, split: str) -> Task
     source = string.Template(template.source).substitute(
         {k: v if isinstance(v, Name) else repr(v) for k, v in params.items()})
     correct = _load(source, module)
-    visible: list[tuple[str, str, Outcome]] = []
-    hidden: list[tuple[str, str, Outcome]] = []
+    cases: list[list[Case]] = []  # per function, shuffled
     for fn, exprs in template.cases(rng, params).items():
         exprs = list(exprs)
         rng.shuffle(exprs)
-        cases = [(fn, e, _expected(correct, e.replace("@", module + "."))) for e in exprs]
-        visible += cases[:VISIBLE_PER_FUNCTION]
-        hidden += cases[VISIBLE_PER_FUNCTION:]
+        cases.append([(fn, e, _expected(correct, e.replace("@", module + "."))) for e in exprs])
     sites = [s for s in find_sites(source, rng) if s.kind == kind]
     rng.shuffle(sites)
     for site in sites:
@@ -147,21 +148,40 @@ def _draw(template: Template, kind: str, rng: random.Random, split: str) -> Task
             mutant = _load(buggy, module)
         except Exception:  # noqa: BLE001 - a site whose edit breaks the module is no task
             continue
-
-        def caught(cases: list[tuple[str, str, Outcome]], mutant: types.ModuleType = mutant
-                   ) -> bool:
-            return any(not _passes(_run(mutant, e.replace("@", module + ".")), want)
-                       for _, e, want in cases)
-
-        if caught(visible) and caught(hidden):
+        caught = [[not _passes(_run(mutant, e.replace("@", module + ".")), want)
+                   for _, e, want in fn_cases] for fn_cases in cases]
+        if sum(map(sum, caught)) >= 2:
+            visible, hidden = _split_cases(cases, caught)
             return _task(template, site, module, source, buggy, visible, hidden, split)
     return None
 
 
+def _split_cases(cases: list[list[Case]], caught: list[list[bool]]
+                 ) -> tuple[list[Case], list[Case]]:
+    """Visible: the first calls of each function, the rest hidden. At least two calls fail
+    with the bug; when they all landed on one side, one of them swaps places with a call of
+    its function on the other side, so that each side has one."""
+    n = VISIBLE_PER_FUNCTION
+
+    def swap(f: int, i: int, j: int) -> None:
+        cases[f][i], cases[f][j] = cases[f][j], cases[f][i]
+        caught[f][i], caught[f][j] = caught[f][j], caught[f][i]
+
+    if not any(any(c[:n]) for c in caught):
+        f = next(f for f, c in enumerate(caught) if any(c[n:]))
+        swap(f, 0, caught[f].index(True, n))
+    elif not any(any(c[n:]) for c in caught):
+        f = next(f for f, c in enumerate(caught) if any(c[:n]))  # >= 2 visible: one moves
+        swap(f, caught[f].index(True), n)
+    visible = [c for fn_cases in cases for c in fn_cases[:n]]
+    hidden = [c for fn_cases in cases for c in fn_cases[n:]]
+    return visible, hidden
+
+
 def _task(template: Template, site: Site, module: str, source: str, buggy: str,
-          visible: list[tuple[str, str, Outcome]], hidden: list[tuple[str, str, Outcome]],
+          visible: list[Case], hidden: list[Case],
           split: str) -> Task:
-    def tests(cases: list[tuple[str, str, Outcome]]) -> list[str]:
+    def tests(cases: list[Case]) -> list[str]:
         counts: dict[str, int] = {}
         out = []
         for fn, expr, want in cases:

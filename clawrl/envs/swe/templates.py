@@ -167,6 +167,9 @@ def _grid_cases(rng: random.Random, p: dict[str, Any]) -> Cases:
         "shift_row": [call("shift_row", row, s) for row, s in
                       [([1, 2, 3, 4], 1), ([], 3), ([5, 6, 7], 3), (grids[0][0], 2),
                        (grids[1][0], 7), ([1, 2], 0)]],
+        "window_sums": [call("window_sums", row, n) for row, n in
+                        [([1, 2, 3, 4], 2), ([5], 1), (grids[0][0], 1), ([3, 1, 4, 1, 5], 3),
+                         ([2, 7], 3), (grids[1][0], 2)]],
         "scale": [call("scale", g, f) for g, f in [(grids[0], 2), (grids[1], -1), (square, 0),
                                                   ([[1, 2]], 3), (grids[2], 3)]],
     }
@@ -189,7 +192,8 @@ def _spans_cases(rng: random.Random, p: dict[str, Any]) -> Cases:
         "duration": [call("duration", s) for s in [*spans[:4], (60, 60)]],
         "overlaps": [call("overlaps", a, b) for a, b in
                      [((0, 10), (10, 20)), ((0, 11), (10, 20)), ((5, 8), (0, 30)),
-                      (spans[0], spans[1]), ((100, 200), (50, 100)), ((30, 40), (0, 31))]],
+                      (spans[0], spans[1]), ((100, 200), (50, 100)), ((30, 40), (0, 31)),
+                      ((10, 20), (0, 10)), ((0, 5), (5, 9)), ((45, 50), (50, 60))]],
         "merge": [call("merge", s) for s in
                   [[], busy, [(10, 20), (20, 30)], spans[:4], [(50, 60), (0, 5)], spans[4:]]],
         "to_clock": [call("to_clock", m) for m in [0, 59, 60, 605, rng.randrange(1, 1440), 1439]],
