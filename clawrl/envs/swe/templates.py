@@ -231,7 +231,9 @@ def _settings_cases(rng: random.Random, p: dict[str, Any]) -> Cases:
         "parse_line": [call("parse_line", s) for s in
                        [lines[2], f"  {c} x", "", f"Key{a}{a}v", lines[3] + f" {c} c",
                         "no assign here"]],
-        "parse_text": [call("parse_text", t) for t in [text, "", "\n".join(lines[3:])]],
+        "parse_text": [call("parse_text", t) for t in
+                       [text, "", "\n".join(lines[3:]), "\n".join(reversed(lines)),
+                        f"{c} {keys[1]} {a} 1\n{lines[4]}"]],
         "parse_list": [call("parse_list", t, s) for t, s in
                        [("a, b,,c", ","), ("x;y; ;z", ";"), ("", ","), ("one", "|"),
                         (" p / q ", "/")]],

@@ -40,6 +40,7 @@ def describe(exc: BaseException, cwd: str) -> str:
 def main(argv: list[str]) -> int:
     mode, arg = argv[0], argv[1]
     nonce = argv[2] if len(argv) > 2 else None
+    del sys.argv[1:]  # the project's code need not see the nonce or the hidden tests
     cwd = os.getcwd()
     sys.path.insert(0, cwd)
     if mode == "file":
