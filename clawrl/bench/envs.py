@@ -1,7 +1,9 @@
-"""`clawrl bench env`: episodes/s of the env pool through the real proxy, not the model.
+"""`clawrl bench env`: episodes/s of the env pool through the real proxy, not the model; with
+`--env swe`, of the SWE environment alone.
 
     clawrl bench env [--concurrency 1,16,64] [--episodes 24,96,192] [--command ls]
                      [--reply-s 0] [--overhead 200] [--json FILE]
+    clawrl bench env --env swe [--concurrency 1,16,64] [--episodes 16,64,128] [--json FILE]
 
 Starts the stand-in engine (clawrl/bench/fake_engine.py) as an agent that answers every request
 with one `run(COMMAND)` call and the request after a tool result with text, and the real
@@ -14,12 +16,21 @@ bench proxy`, docs/benchmarks.md) and the pool's own CPU per episode (this proce
 sandboxed shells); then whether every step landed in Postgres as a turn of its session and
 every episode's outcome on its session; last, one step sent straight to the stand-in and
 through the proxy alternately: what the proxy adds per step.
+
+`--env swe` measures the SWE environment (clawrl/envs/swe/env.py) without a model or proxy:
+a scripted agent drives each episode's `step` directly, as the pool would with the model's
+replies: run_tests, read_file, apply_patch with the generator's known fix, run_tests,
+run_linter, finish; then the hidden tests give the outcome. Reported per level: episodes/s,
+tool calls/s, the p50/p99 of a run_tests call and of a whole episode, CPU per episode (this
+process and the sandboxes' processes), the solved share (1.00 unless the fix or the sandbox
+failed), and what was left behind: sandbox processes, folders and tmpfs mounts (0 each).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import resource
@@ -143,10 +154,126 @@ def print_rows(rows: list[dict[str, Any]]) -> None:
           f"{load[2]:.1f} (1/5/15 min) at the end")
 
 
+SWE_SCRIPT = ("run_tests", "read_file", "apply_patch", "run_tests", "run_linter", "finish")
+
+
+async def swe_episode(seed: int, tool_ms: dict[str, list[float]]) -> tuple[float, float]:
+    """One SWE episode driven by the scripted agent: (outcome, seconds)."""
+    from clawrl.envs.swe.env import SweEnv
+
+    start = time.perf_counter()
+    env = SweEnv(seed)
+    try:
+        await env.reset()
+        args = {"read_file": {"path": env.task.module},
+                "apply_patch": {"diff": env.task.fix_diff}}
+        for i, name in enumerate(SWE_SCRIPT):
+            call = {"id": f"c{i}", "type": "function", "function": {
+                "name": name, "arguments": json.dumps(args.get(name, {}))}}
+            sent = time.perf_counter()
+            step = await env.step({"role": "assistant", "content": "", "tool_calls": [call]})
+            tool_ms.setdefault(name, []).append((time.perf_counter() - sent) * 1e3)
+            if step.done:
+                break
+        outcome = await env.outcome()
+    finally:
+        await env.close()
+    return outcome, time.perf_counter() - start
+
+
+def leftovers() -> dict[str, int]:
+    """Sandbox processes (uids of the sandbox range), folders and tmpfs mounts now."""
+    from clawrl.envs.sandbox import UID_RANGE
+
+    procs = 0
+    for proc in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            procs += UID_RANGE[0] <= proc.uids().real < UID_RANGE[1]
+    folders = len(list(Path(tempfile.gettempdir()).glob("clawrl-sandbox-*")))
+    mounts = Path("/proc/mounts").read_text().count("clawrl-sandbox-") \
+        if Path("/proc/mounts").exists() else 0
+    return {"processes": procs, "folders": folders, "mounts": mounts}
+
+
+async def swe_level(concurrency: int, seeds: range, tool_ms: dict[str, list[float]]
+                    ) -> list[tuple[float, float]]:
+    """The episodes of `seeds`, `concurrency` at a time."""
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(seed: int) -> tuple[float, float]:
+        async with gate:
+            return await swe_episode(seed, tool_ms)
+
+    return await asyncio.gather(*(one(seed) for seed in seeds))
+
+
+def measure_swe(args: argparse.Namespace) -> list[dict[str, Any]]:
+    before = leftovers()
+    rows = []
+    for level, (concurrency, episodes) in enumerate(zip(args.concurrency, args.episodes,
+                                                        strict=True)):
+        tool_ms: dict[str, list[float]] = {}
+        cpu0, wall0 = _cpu_self(), time.perf_counter()
+        seeds = range(level * 1000, level * 1000 + episodes)
+        results = asyncio.run(swe_level(concurrency, seeds, tool_ms))
+        wall, cpu = time.perf_counter() - wall0, _cpu_self() - cpu0
+        left = {k: v - before[k] for k, v in leftovers().items()}
+        calls = sum(len(v) for v in tool_ms.values())
+        rows.append({"concurrency": concurrency, "episodes": episodes, "seconds": wall,
+                     "episodes_per_s": episodes / wall, "calls_per_s": calls / wall,
+                     "run_tests_p50_ms": pct(tool_ms["run_tests"], 0.5),
+                     "run_tests_p99_ms": pct(tool_ms["run_tests"], 0.99),
+                     "episode_p50_ms": pct([s * 1e3 for _, s in results], 0.5),
+                     "episode_p99_ms": pct([s * 1e3 for _, s in results], 0.99),
+                     "cpu_ms_per_episode": cpu * 1e3 / episodes,
+                     "solved": sum(1 for o, _ in results if o > 0) / episodes,
+                     "left_behind": left})
+        print(f"  done: {concurrency} at a time", file=sys.stderr, flush=True)
+    return rows
+
+
+def print_swe_rows(rows: list[dict[str, Any]]) -> None:
+    head = (f"{'episodes at once':>16} {'episodes':>8} {'episodes/s':>10} {'calls/s':>8} "
+            f"{'run_tests p50':>13} {'p99':>6} {'episode p50':>11} {'p99':>6} "
+            f"{'CPU ms/ep':>9} {'solved':>6}")
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        print(f"{r['concurrency']:>16} {r['episodes']:>8} {r['episodes_per_s']:>10.1f} "
+              f"{r['calls_per_s']:>8.1f} {r['run_tests_p50_ms']:>13.1f} "
+              f"{r['run_tests_p99_ms']:>6.0f} {r['episode_p50_ms']:>11.0f} "
+              f"{r['episode_p99_ms']:>6.0f} {r['cpu_ms_per_episode']:>9.0f} {r['solved']:>6.2f}")
+    print("(one episode: sandbox made, 6 tool calls of the scripted agent, hidden tests, sandbox "
+          "closed; ms of wall clock; CPU = this process plus the sandboxes)")
+    for r in rows:
+        left = r["left_behind"]
+        print(f"{r['concurrency']} at a time: left behind {left['processes']} processes, "
+              f"{left['folders']} folders, {left['mounts']} mounts")
+    load = os.getloadavg()
+    print(f"machine: {os.cpu_count()} CPUs, load average {load[0]:.1f} / {load[1]:.1f} / "
+          f"{load[2]:.1f} (1/5/15 min) at the end")
+
+
+def main_swe(args: argparse.Namespace) -> int:
+    from clawrl.envs.sandbox import network_isolated
+
+    print("sandbox network: " + ("none (own network namespace)" if network_isolated()
+                                 else "NOT isolated (unshare unavailable)"))
+    rows = measure_swe(args)
+    print_swe_rows(rows)
+    if args.json:
+        args.json.write_text(json.dumps({"levels": rows}, indent=2))
+    ok = all(r["solved"] == 1.0 and not any(r["left_behind"].values()) for r in rows)
+    return 0 if ok else 1
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="clawrl bench env", description=__doc__.split("\n\n")[0])
+    p.add_argument("--env", choices=("terminal", "swe"), default="terminal",
+                   help="terminal: the pool through the proxy; swe: the SWE environment alone")
     p.add_argument("--concurrency", default="1,16,64", help="episodes at once, per level")
-    p.add_argument("--episodes", default="24,96,192", help="episodes per level")
+    p.add_argument("--episodes", default="", help="episodes per level (default 24,96,192; "
+                   "swe: 16,64,128)")
     p.add_argument("--max-steps", type=int, default=4)
     p.add_argument("--command", default="ls", help="the command the stand-in agent runs")
     p.add_argument("--reply-s", type=float, default=0.0, help="the stand-in's reply time")
@@ -154,6 +281,7 @@ def main(argv: list[str]) -> int:
                    help="steps sent each way for the per-step proxy overhead")
     p.add_argument("--json", type=Path, help="also write the figures here")
     args = p.parse_args(argv)
+    args.episodes = args.episodes or ("16,64,128" if args.env == "swe" else "24,96,192")
     try:
         args.concurrency = [int(c) for c in args.concurrency.split(",")]
         args.episodes = [int(c) for c in args.episodes.split(",")]
@@ -161,6 +289,8 @@ def main(argv: list[str]) -> int:
         assert min(args.concurrency + args.episodes) > 0
     except (ValueError, AssertionError):
         p.error("--concurrency and --episodes take as many positive integers each")
+    if args.env == "swe":
+        return main_swe(args)
     state_dir = Path(tempfile.mkdtemp(prefix="clawrl-bench-env-", dir="/tmp"))
     try:
         with bench_database(state_dir) as db_url:

@@ -17,7 +17,8 @@ the slots and a context length at start; `/model_info` reports them as
 `GET /bench/stats` counts the chat requests that reached it. `{"tool_command": "ls"}` makes it an agent (`clawrl bench env`, the env
 pool's tests): a non-streamed request with tools whose last message is not a tool result is
 answered with one call `run({"command": "ls"})`, one after a tool result with text (`""`:
-off). For benchmarks and for tests that need an engine taking a fixed time per request (fair
+off); `{"tool_name": "run_tests"}` calls that tool instead (the SWE track's, which ignores the
+command). For benchmarks and for tests that need an engine taking a fixed time per request (fair
 share, faults); tests of what the proxy answers use the real embedded engine.
 """
 
@@ -44,6 +45,7 @@ STATS = {"chat_requests": 0}
 PROMPT_IDS = list(range(1, 33))
 WEIGHT_VERSION = "0"
 TOOL_COMMAND = [""]  # set by /bench/config {"tool_command": ...}
+TOOL_NAME = ["run"]  # set by /bench/config {"tool_name": ...}
 
 
 def _logprob(token: int) -> dict[str, Any]:
@@ -100,7 +102,8 @@ async def _chat(body: dict[str, Any]) -> Response:
         if TOOL_COMMAND[0] and body.get("tools") and messages[-1].get("role") != "tool":
             message = {"role": "assistant", "content": None, "tool_calls": [{
                 "id": f"call-{created}", "type": "function", "function": {
-                    "name": "run", "arguments": json.dumps({"command": TOOL_COMMAND[0]})}}]}
+                    "name": TOOL_NAME[0],
+                    "arguments": json.dumps({"command": TOOL_COMMAND[0]})}}]}
         return JSONResponse({
             "id": "chatcmpl-bench", "object": "chat.completion", "created": created,
             "model": body.get("model", "bench"),
@@ -147,6 +150,7 @@ async def configure(request: Request) -> Response:
     body = await request.json()
     CONFIG.update({k: float(v) for k, v in body.items() if k in CONFIG})
     TOOL_COMMAND[0] = str(body.get("tool_command", TOOL_COMMAND[0]))
+    TOOL_NAME[0] = str(body.get("tool_name", TOOL_NAME[0]))
     _SLOTS[0] = asyncio.Semaphore(int(CONFIG["slots"])) if CONFIG["slots"] > 0 else None
     return JSONResponse(CONFIG)
 

@@ -1,6 +1,6 @@
 """`clawrl env`: run agent episodes against the proxy, N at a time.
 
-    clawrl env terminal|toolcall [--episodes 16] [--concurrency 4] [--max-steps 6]
+    clawrl env terminal|toolcall|swe [--episodes 16] [--concurrency 4] [--max-steps 6]
                         [--tasks a,b] [--split train|heldout]
                         [--base-url URL] [--api-key KEY] [--model default] [--max-tokens 128]
                         [--temperature 1.0] [--seed 0] [--json FILE]
@@ -49,8 +49,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tasks", default="", help="comma-separated task names (terminal: "
                    "write_file, count_lines, find_word, move_file, sum_numbers, delete_logs, "
                    "uppercase, sort_lines); default all")
-    p.add_argument("--split", default="", help="toolcall: the questions, train (held-in, "
-                   "the default) or heldout")
+    p.add_argument("--split", default="", help="toolcall: the questions, swe: the tasks; "
+                   "train (held-in, the default) or heldout")
     p.add_argument("--base-url", default="", help="the proxy's /v1 URL")
     p.add_argument("--api-key", default="")
     p.add_argument("--model", default="default")
@@ -76,8 +76,9 @@ def config_from(args: argparse.Namespace) -> PoolConfig:
     if options and args.name != "terminal":
         raise EnvError(f"--tasks applies to the terminal environment, not {args.name!r}")
     if args.split:
-        if args.name != "toolcall":
-            raise EnvError(f"--split applies to the toolcall environment, not {args.name!r}")
+        if args.name not in ("toolcall", "swe"):
+            raise EnvError(f"--split applies to the toolcall and swe environments, not "
+                           f"{args.name!r}")
         options["split"] = args.split
     make_env(args.name, args.seed, **options)  # a bad name or task fails here, in one line
     return PoolConfig(env=args.name, episodes=args.episodes, concurrency=args.concurrency,
@@ -145,7 +146,7 @@ def main(argv: list[str]) -> int:
     except ImportError:
         print("clawrl env: needs the OpenAI SDK: pip install 'clawrl[eval]'", file=sys.stderr)
         return 1
-    if args.name == "terminal":
+    if args.name in ("terminal", "swe"):
         from clawrl.envs.sandbox import network_isolated
 
         print("sandbox network: " + ("none (own network namespace)" if network_isolated()

@@ -21,10 +21,18 @@ def _toolcall(seed: int, **options: Any) -> Env:
     return ToolcallEnv(seed, **options)
 
 
+def _swe(seed: int, **options: Any) -> Env:
+    from clawrl.envs.swe.env import SweEnv
+
+    return SweEnv(seed, **options)
+
+
 ENVS: dict[str, tuple[Callable[..., Env], str]] = {
     "terminal": (_terminal, "a sandboxed shell with small verifiable tasks (run(command))"),
     "toolcall": (_toolcall, "questions about the tiny world, answered with lookup(person, "
                  "attribute) then answer(text)"),
+    "swe": (_swe, "fix the seeded bug of a generated Python project (read, patch, run the "
+            "tests, lint, finish)"),
 }
 
 

@@ -19,6 +19,10 @@ wall-clock timeout kills the whole process group. Isolation, strongest first:
   refused, localhost included) when it works here, probed once; else, as a user, `unshare -c
   -n` (a user namespace). When neither works the command runs with the network and only its
   proxy variables removed; `network_isolated()` says which, and `clawrl env` prints it.
+- disk: as root the folder is a tmpfs of `disk_mb` (mounted when the sandbox is made, unmounted
+  when it closes): a command that writes past it gets "No space left on device", and the
+  machine's own disk is never touched. Elsewhere the folder's size is measured after each
+  command. Either way a command that leaves the folder full is flagged (`RunResult.disk_full`).
 - not root: the command runs as the caller; the process limit counts the caller's processes
   too (it is set to those plus the limit), and leftovers outside the process group survive.
 """
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import functools
 import os
 import pwd
@@ -56,6 +61,7 @@ class Limits:
     open_files: int = 64
     timeout_s: float = 10.0   # wall clock per command; the process group is killed after it
     output_bytes: int = 4096  # output kept per command (the rest is read and dropped)
+    disk_mb: int = 64         # the whole folder (a tmpfs of this size as root)
 
 
 @dataclass(frozen=True)
@@ -64,13 +70,20 @@ class RunResult:
     output: str     # stdout and stderr interleaved, at most `output_bytes` (UTF-8, replaced)
     truncated: bool
     timed_out: bool
+    disk_full: bool = False  # the folder was at its disk limit when the command ended
 
     def describe(self) -> str:
         """The text a model reads back as the tool result."""
+        return f"exit code {self.exit_code}\n{self.output}{self.notes()}"
+
+    def notes(self) -> str:
+        """What the limits did to the command, as lines to append to its output."""
         tail = "\n[output truncated]" if self.truncated else ""
         if self.timed_out:
             tail += "\n[killed: the command ran past its time limit]"
-        return f"exit code {self.exit_code}\n{self.output}{tail}"
+        if self.disk_full:
+            tail += "\n[the sandbox's disk is full]"
+        return tail
 
 
 @functools.cache
@@ -92,6 +105,21 @@ def _unshare_prefix() -> tuple[str, ...] | None:
         if ok == 0:
             return prefix
     return None
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _mount_tmpfs(path: Path, size_mb: int, uid: int) -> bool:
+    """Mount a tmpfs of `size_mb` on `path`, owned by `uid` (root only); False when the
+    kernel refuses (no CAP_SYS_ADMIN, e.g. in an unprivileged container)."""
+    options = f"size={size_mb}m,mode=0700,uid={uid},gid={uid}".encode()
+    ms_nosuid, ms_nodev = 2, 4
+    done: int = _libc().mount(b"tmpfs", str(path).encode(), b"tmpfs", ms_nosuid | ms_nodev,
+                              options)
+    return done == 0
 
 
 def network_isolated() -> bool:
@@ -138,25 +166,32 @@ class Sandbox:
                 self.close()
                 raise RuntimeError("no free sandbox uid")
             os.chown(self.path, self.uid, self.uid)
+        self.mounted = self.uid is not None and _mount_tmpfs(self.path, self.limits.disk_mb,
+                                                             self.uid)
+        self._real = os.path.realpath(self.path)
         self._closed = False
 
     # Files the environment sets up and reads back (as the parent: root when root).
 
     def write(self, name: str, text: str) -> None:
         """Create `name` (relative, folders made) owned by the sandbox's user."""
-        path = self._inside(name)
+        path = self.inside(name)
         for parent in reversed(path.relative_to(self.path).parents[:-1]):
             folder = self.path / parent
             folder.mkdir(exist_ok=True)
             self._own(folder)
-        path.write_text(text)
+        if os.path.islink(path):
+            raise ValueError(f"{name!r} is a link")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
         self._own(path)
 
     def read(self, name: str, limit: int = 1 << 20) -> str | None:
         """The text of regular file `name`, or None when it is missing, a link, a folder,
         or larger than `limit` bytes: the sandbox's contents are the agent's, so a link to
         a file outside it is not followed by the verifier."""
-        path = self._inside(name)
+        path = self.inside(name)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         except OSError:
@@ -171,13 +206,30 @@ class Sandbox:
             os.close(fd)
 
     def exists(self, name: str) -> bool:
-        return os.path.lexists(self._inside(name))
+        return os.path.lexists(self.inside(name))
 
-    def _inside(self, name: str) -> Path:
+    def inside(self, name: str) -> Path:
+        """The path of `name` in the folder; ValueError for one that leaves it, by `..`, an
+        absolute path, or a folder that is a link out (the agent's commands make links)."""
         path = self.path / name
-        if ".." in Path(name).parts or Path(name).is_absolute():
+        if ".." in Path(name).parts or Path(name).is_absolute() or not name.strip():
+            raise ValueError(f"{name!r} is not a path inside the sandbox")
+        parent = os.path.realpath(path.parent)
+        if parent != self._real and not parent.startswith(self._real + os.sep):
             raise ValueError(f"{name!r} is not a path inside the sandbox")
         return path
+
+    def disk_used(self) -> int:
+        """Bytes the folder holds (the tmpfs's use as root; else the files' sizes)."""
+        if self.mounted:
+            st = os.statvfs(self.path)
+            return (st.f_blocks - st.f_bfree) * st.f_frsize
+        total = 0
+        for folder, dirs, files in os.walk(self.path):
+            for name in dirs + files:
+                with contextlib.suppress(OSError):
+                    total += os.lstat(os.path.join(folder, name)).st_size
+        return total
 
     def _own(self, path: Path) -> None:
         if self.uid is not None:
@@ -258,8 +310,10 @@ class Sandbox:
                 await proc.wait()
         code = proc.returncode
         # `unshare` reports a child killed by signal N as 128 + N, like a shell does.
+        full = self.disk_used() > (lim.disk_mb << 20) - (256 << 10)
         return RunResult(-1 if code is None else code,
-                         kept.decode("utf-8", errors="replace"), seen > len(kept), timed_out)
+                         kept.decode("utf-8", errors="replace"), seen > len(kept), timed_out,
+                         full)
 
     def _kill_group(self, pgid: int) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -279,6 +333,9 @@ class Sandbox:
                     with contextlib.suppress(psutil.Error):
                         p.kill()
                 psutil.wait_procs(left, timeout=1.0)
+        if getattr(self, "mounted", False):
+            mnt_detach = 2
+            _libc().umount2(str(self.path).encode(), mnt_detach)
         shutil.rmtree(self.path, onerror=_make_writable)  # Python 3.11 (pyproject)
 
 

@@ -4,6 +4,7 @@ against the real proxy prints its table."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -25,10 +26,12 @@ def clawrl(*args: str, env: dict[str, str] | None = None,
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (["nope"], "clawrl env: unknown environment 'nope' (known: terminal, toolcall)"),
+    (["nope"], "clawrl env: unknown environment 'nope' (known: terminal, toolcall, swe)"),
     (["toolcall", "--split", "dev"], "clawrl env: unknown split 'dev' (train or heldout)"),
     (["terminal", "--split", "heldout"],
-     "clawrl env: --split applies to the toolcall environment, not 'terminal'"),
+     "clawrl env: --split applies to the toolcall and swe environments, not 'terminal'"),
+    (["swe", "--split", "dev"], "clawrl env: unknown split 'dev' (train or heldout)"),
+    (["swe", "--tasks", "text"], "clawrl env: --tasks applies to the terminal environment"),
     (["toolcall", "--tasks", "write_file"],
      "clawrl env: --tasks applies to the terminal environment, not 'toolcall'"),
     (["terminal", "--tasks", "write_file,fly"], "clawrl env: unknown terminal task 'fly'"),
@@ -68,6 +71,33 @@ def test_clawrl_env_runs_episodes_through_the_proxy(db_url: str, tmp_path: Path)
     assert (tmp_path / "episodes.json").is_file()
 
 
+def test_clawrl_env_runs_swe_episodes_through_the_proxy(db_url: str, tmp_path: Path) -> None:
+    """The stand-in agent calls run_tests, answers the results with text (nudged back to the
+    tools), and never fixes anything: the table shows the held-out tasks unsolved."""
+    key = asyncio.run(make_key(db_url, scopes=[VERIFIER]))
+    with BenchProcs(db_url, tmp_path) as procs:
+        procs.configure(tool_command="-", tool_name="run_tests")
+        out = clawrl("env", "swe", "--base-url", f"{procs.proxy_url}/v1", "--api-key", key,
+                     "--episodes", "2", "--concurrency", "2", "--max-steps", "3", "--split",
+                     "heldout", "--model", "bench", "--json", str(tmp_path / "episodes.json"))
+    assert out.returncode == 0, out.stderr
+    assert "2 episodes in" in out.stdout and "0 solved (0.00)" in out.stdout
+    episodes = json.loads((tmp_path / "episodes.json").read_text())["episodes"]
+    for e in episodes:
+        assert e["outcome"] == -1.0 and e["steps"] == 3 and e["error"] is None
+        assert e["details"]["split"] == "heldout" and e["details"]["calls"][0] == "run_tests"
+        assert e["details"]["test_runs"][0][1] >= 1  # the visible tests failed, as seeded
+
+
+def test_bench_env_swe_solves_every_episode_and_leaves_nothing() -> None:
+    out = clawrl("bench", "env", "--env", "swe", "--concurrency", "1,3", "--episodes", "2,3")
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [line.split() for line in out.stdout.splitlines()
+            if line.split()[:1] in (["1"], ["3"]) and len(line.split()) == 10]
+    assert [(r[0], r[1], r[-1]) for r in rows] == [("1", "2", "1.00"), ("3", "3", "1.00")]
+    assert "3 at a time: left behind 0 processes, 0 folders, 0 mounts" in out.stdout
+
+
 def test_bench_env_prints_episodes_per_second() -> None:
     out = clawrl("bench", "env", "--concurrency", "1,4", "--episodes", "2,4", "--overhead", "5",
                  env={"CLAWRL_DATABASE__URL": ADMIN_URL})
@@ -83,8 +113,6 @@ def test_the_proxy_is_the_stack_the_admin_commands_act_on(
     """Two stacks running: A started last, B in this folder's .clawrl. `clawrl env` sends its
     episodes to B's proxy (and says it is not the last started), as `clawrl users` acts on
     B; named by CLAWRL_STATE_DIR, the same; elsewhere, the last started."""
-    import json
-
     from clawrl.base import statefile
     from clawrl.envs.cli import chosen_stack
 

@@ -1,0 +1,276 @@
+"""The SWE track's episode: fix the seeded bug of a generated project (clawrl/envs/swe/tasks.py)
+in a sandbox (clawrl/envs/sandbox.py, the terminal track's), through ordinary tool calls.
+
+Tools (`TOOLS`, OpenAI definitions): list_files, read_file(path), replace_in_file(path, old,
+new), apply_patch(diff), run_tests, run_linter, finish. Each call's result comes back as a
+`tool` message (the next state): a file's text, `error: …` for a bad call (a path out of the
+sandbox, text not found, a patch that does not apply), the visible tests' failures and counts
+(`3 passed, 1 failed`), the linter's problems. `finish` ends the episode; so does the step
+budget (`max_steps` replies), and so does a test run the sandbox had to stop (killed at its time
+or CPU limit, or leaving the disk full: a fork bomb, an endless loop, a disk filler). A reply
+without a tool call gets a user message asking for one.
+
+The outcome is the hidden tests', run in the sandbox after the episode (their source is given
+on the command line, never written where the agent could read or edit it): +1 when all pass,
+−1 otherwise (a partial fix is a failed fix; an episode a limit ended is −1 without a run).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shlex
+from pathlib import Path
+from typing import Any
+
+from clawrl.envs.protocol import EnvError, Message, Observation, Step
+from clawrl.envs.sandbox import Limits, RunResult, Sandbox
+from clawrl.envs.swe.lint import lint_files
+from clawrl.envs.swe.patch import PatchError, apply_patch
+from clawrl.envs.swe.tasks import SPLITS, Task, draw_task
+
+RUNNER = (Path(__file__).with_name("testrun.py")).read_text()
+PYTHON = "python3 -I -S -B"  # the sandbox's python3: isolated, no site, no .pyc files
+KILLED = {128 + 9: "killed", 128 + 24: "CPU time limit", 128 + 25: "file size limit"}
+FILE_LIMIT = 64 << 10  # read_file shows at most this much
+
+SYSTEM = ("You fix bugs in small Python projects. Use the tools: list_files, read_file, "
+          "replace_in_file or apply_patch to edit, run_tests to run the tests, run_linter to "
+          "check the code. When the tests pass, call finish.")
+NUDGE = "No tool was called. Use the tools to find and fix the bug, then call finish."
+
+
+def _tool(name: str, description: str, **params: str) -> dict[str, Any]:
+    return {"type": "function", "function": {
+        "name": name, "description": description, "parameters": {
+            "type": "object", "properties": {p: {"type": "string", "description": d}
+                                             for p, d in params.items()},
+            "required": list(params)}}}
+
+
+TOOLS = [
+    _tool("list_files", "List the project's files and their sizes."),
+    _tool("read_file", "Read a file of the project.", path="the file's path, e.g. README.md"),
+    _tool("replace_in_file", "Replace the one occurrence of old with new in a file.",
+          path="the file's path", old="the exact text to replace (it must occur once)",
+          new="the text to put in its place"),
+    _tool("apply_patch", "Apply a unified diff (--- a/FILE, +++ b/FILE, @@ hunks).",
+          diff="the unified diff"),
+    _tool("run_tests", "Run the project's tests; the failures, then 'N passed, M failed'."),
+    _tool("run_linter", "Check the project's Python files for errors (syntax, undefined "
+          "names, unused imports and variables)."),
+    _tool("finish", "Say the bug is fixed; ends the episode."),
+]
+TOOL_NAMES = [t["function"]["name"] for t in TOOLS]
+
+
+class SweEnv:
+    """One SWE episode (the protocol in clawrl/envs/protocol.py)."""
+
+    def __init__(self, seed: int, split: str = "train", max_steps: int = 12,
+                 limits: Limits | None = None, **options: Any) -> None:
+        if options:
+            raise EnvError(f"the swe environment takes no {', '.join(options)} option")
+        if split not in SPLITS:
+            raise EnvError(f"unknown split {split!r} (train or heldout)")
+        if max_steps < 1:
+            raise EnvError("max_steps must be at least 1")
+        self.task: Task = draw_task(seed, split)
+        self.limits = limits or Limits()
+        self.max_steps = max_steps
+        self.sandbox: Sandbox | None = None
+        self._reset_counts()
+
+    def _reset_counts(self) -> None:
+        self.steps = 0
+        self.calls: list[str] = []        # every tool call's name, in order
+        self.test_runs: list[tuple[int, int]] = []  # (passed, failed) of each run_tests
+        self.edits = 0
+        self.edit_errors = 0
+        self.finished = False
+        self.ended_by = ""                # why the episode ended: finish, steps, a limit
+        self.hidden: tuple[int, int] | None = None  # (passed, total) once verified
+
+    async def reset(self) -> Observation:
+        await self.close()
+        self.sandbox = Sandbox(self.limits)
+        for name, text in self.task.files.items():
+            self.sandbox.write(name, text)
+        self._reset_counts()
+        prompt = (f"The project {self.task.module[:-3]} has a bug: some of its tests fail. Find "
+                  "the bug, fix the code (not the tests), check that the tests pass, then "
+                  "call finish.")
+        return Observation([{"role": "system", "content": SYSTEM},
+                            {"role": "user", "content": prompt}], list(TOOLS), self.task.name)
+
+    async def step(self, reply: Message) -> Step:
+        assert self.sandbox is not None, "reset() first"
+        self.steps += 1
+        calls = reply.get("tool_calls") or []
+        out: list[Message] = []
+        for call in calls:
+            content = await self._call(call.get("function") or {})
+            out.append({"role": "tool", "tool_call_id": call.get("id", ""), "content": content})
+            if self.ended_by:
+                break
+        if not calls:
+            out.append({"role": "user", "content": NUDGE})
+        if not self.ended_by and self.steps >= self.max_steps:
+            self.ended_by = "steps"
+        return Step(out, done=bool(self.ended_by))
+
+    async def _call(self, function: dict[str, Any]) -> str:
+        name = function.get("name")
+        if name not in TOOL_NAMES:
+            return f"error: unknown tool {name!r} (the tools: {', '.join(TOOL_NAMES)})"
+        self.calls.append(str(name))
+        try:
+            args = json.loads(function.get("arguments") or "{}")
+        except ValueError:
+            return "error: the arguments are not valid JSON"
+        if not isinstance(args, dict):
+            return "error: the arguments must be a JSON object"
+        needed = TOOLS[TOOL_NAMES.index(name)]["function"]["parameters"]["required"]
+        for param in needed:
+            if not isinstance(args.get(param), str):
+                return f"error: {name} needs a string argument {param!r}"
+        try:
+            text: str = await getattr(self, f"_{name}")(*(args[p] for p in needed))
+            return text
+        except (ValueError, PatchError) as exc:  # a path out of the sandbox, a bad patch
+            if name in ("replace_in_file", "apply_patch"):
+                self.edit_errors += 1
+            return f"error: {exc}"
+
+    # The tools. Each returns the tool message's text; ValueError -> "error: …".
+
+    def _files(self) -> list[Path]:
+        """The project's files, relative (links listed, never followed; no __pycache__)."""
+        assert self.sandbox is not None
+        root = self.sandbox.path
+        found = []
+        for folder, dirs, files in os.walk(root):
+            links = [d for d in dirs if os.path.islink(os.path.join(folder, d))]
+            dirs[:] = sorted(d for d in dirs if d != "__pycache__" and d not in links)
+            found += [Path(folder, name).relative_to(root) for name in sorted(files + links)]
+        return found
+
+    async def _list_files(self) -> str:
+        assert self.sandbox is not None
+        lines = []
+        for rel in self._files():
+            path = self.sandbox.path / rel
+            kind = " (link)" if path.is_symlink() else ""
+            lines.append(f"{rel} ({path.lstat().st_size} bytes){kind}")
+        return "\n".join(lines) or "(no files)"
+
+    def _read(self, path: str) -> str | None:
+        assert self.sandbox is not None
+        return self.sandbox.read(path, FILE_LIMIT)
+
+    async def _read_file(self, path: str) -> str:
+        text = self._read(path)
+        if text is None:
+            raise ValueError(f"no file named {path!r} (list_files shows the files)")
+        return text
+
+    async def _replace_in_file(self, path: str, old: str, new: str) -> str:
+        assert self.sandbox is not None
+        text = await self._read_file(path)
+        count = text.count(old) if old else 0
+        if count != 1:
+            raise ValueError(f"old text occurs {count} times in {path}; it must occur exactly "
+                             "once (include more of the surrounding lines)" if old else
+                             "old text is empty")
+        self.sandbox.write(path, text.replace(old, new))
+        self.edits += 1
+        return f"replaced 1 occurrence in {path}"
+
+    async def _apply_patch(self, diff: str) -> str:
+        assert self.sandbox is not None
+        changes = apply_patch(diff, self._read)
+        for path in changes:
+            self.sandbox.inside(path)  # every path checked before anything is written
+        for path, text in changes.items():
+            self.sandbox.write(path, text)
+        self.edits += 1
+        return "applied to " + ", ".join(sorted(changes))
+
+    async def _run_tests(self) -> str:
+        result = await self._run(f"file {shlex.quote(self.task.test_file)}")
+        counts = _counts(result.output)
+        if counts is not None:
+            self.test_runs.append(counts)
+        return result.output + result.notes() + self._limit_note(result)
+
+    async def _run_linter(self) -> str:
+        files = {}
+        for rel in self._files():
+            text = self._read(str(rel)) if rel.suffix == ".py" else None
+            if text is not None:
+                files[str(rel)] = text
+        return lint_files(files)
+
+    async def _finish(self) -> str:
+        self.finished = True
+        self.ended_by = "finish"
+        return "finished"
+
+    async def _run(self, args: str) -> RunResult:
+        assert self.sandbox is not None
+        return await self.sandbox.run(f"{PYTHON} -c {shlex.quote(RUNNER)} {args}")
+
+    def _limit_note(self, result: RunResult) -> str:
+        """Ends the episode when the sandbox had to stop the run; the note says why."""
+        reason = ("time limit" if result.timed_out else "disk full" if result.disk_full
+                  else KILLED.get(result.exit_code, ""))
+        if not reason:
+            return ""
+        self.ended_by = f"limit: {reason}"
+        return f"\n[the episode ends: the tests hit the sandbox's {reason}]"
+
+    async def outcome(self) -> float:
+        assert self.sandbox is not None, "reset() first"
+        if self.hidden is None:
+            if self.ended_by.startswith("limit"):
+                self.hidden = (0, self.task.hidden_count)
+            else:
+                nonce = secrets.token_hex(8)
+                result = await self._run(f"source {shlex.quote(self.task.hidden)} {nonce}")
+                passed = 0
+                for line in result.output.splitlines():
+                    parts = line.split()
+                    if parts[:2] == ["RESULT", nonce] and len(parts) == 5:
+                        passed = int(parts[2])
+                self.hidden = (min(passed, self.task.hidden_count), self.task.hidden_count)
+        passed, total = self.hidden
+        return 1.0 if passed == total else -1.0
+
+    def details(self) -> dict[str, Any]:
+        """What the episode did, for the pool's results and the eval: the task, the calls,
+        whether the tests ran before finish, the hidden tests' count."""
+        t = self.task
+        tested_before_finish = "run_tests" in self.calls[: self.calls.index("finish")] \
+            if "finish" in self.calls else False
+        return {"template": t.template, "kind": t.kind, "where": t.where, "split": t.split,
+                "calls": list(self.calls), "test_runs": list(self.test_runs),
+                "edits": self.edits, "edit_errors": self.edit_errors,
+                "finished": self.finished, "tested_before_finish": tested_before_finish,
+                "ended_by": self.ended_by or "pool",
+                "hidden_passed": None if self.hidden is None else self.hidden[0],
+                "hidden_total": t.hidden_count}
+
+    async def close(self) -> None:
+        if self.sandbox is not None:
+            self.sandbox.close()
+            self.sandbox = None
+
+
+def _counts(output: str) -> tuple[int, int] | None:
+    """(passed, failed) from the runner's `N passed, M failed` line."""
+    for line in reversed(output.splitlines()):
+        parts = line.replace(",", "").split()
+        if len(parts) >= 4 and parts[1] == "passed" and parts[3] == "failed":
+            return int(parts[0]), int(parts[2]) + (1 if "error" in line else 0)
+    return None
