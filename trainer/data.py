@@ -58,7 +58,7 @@ from sqlalchemy.engine import Connection, Engine
 from clawrl.base.db import ChatSession, PolicyVersion, Sample, TrainingStep, Turn, User
 from trainer.config import TrainerSettings
 from trainer.loss import group_baseline, mix_rewards, reward_baseline
-from trainer.offpolicy import behaviour_temperature, off_policy_reason
+from trainer.offpolicy import behaviour_temperature, is_constrained, off_policy_reason
 from trainer.ptx import PtxExample
 
 SAMPLES = cast(Table, Sample.__table__)
@@ -100,6 +100,9 @@ class SampleRow:
     task: str | None = None  # the first user message of its conversation (`group_mean`)
     temperature: float = 1.0  # the behaviour temperature (trainer/offpolicy.py)
     user_id: int | None = None  # whose turn it was (`user_mean`)
+    # Drawn under a grammar and trained as distillation from it (trainer/offpolicy.py): its
+    # rollout logprobs, those of the masked distribution, are its teacher's.
+    constrained: bool = False
 
 
 def row_version(row: Any, personal: bool) -> int:
@@ -110,14 +113,19 @@ def row_version(row: Any, personal: bool) -> int:
     return parse_version(row.weight_version)
 
 
-def skip_reason(row: Any, cfg: TrainerSettings, limits: ModelLimits, current: int) -> str | None:
-    """Why this sample row can't be trained (None: it can). Cheapest checks first."""
+def skip_reason(row: Any, cfg: TrainerSettings, limits: ModelLimits, current: int,
+                train_constrained: bool = False) -> str | None:
+    """Why this sample row can't be trained (None: it can). Cheapest checks first.
+    `train_constrained`: a constrained sample is trained, distilled toward its grammar."""
     if row.train_opt_out:
         return "opted_out"
-    if (off_policy := off_policy_reason(getattr(row, "sampling", None))) is not None:
+    sampling = getattr(row, "sampling", None)
+    if (off_policy := off_policy_reason(sampling, train_constrained)) is not None:
         return off_policy
+    forced = train_constrained and is_constrained(sampling)
+    teacher = None if forced else row.teacher_logprobs  # a constrained one's is replaced
     use_rl = cfg.method in ("rl", "combine") and row.reward is not None
-    use_opd = cfg.method in ("opd", "combine") and row.teacher_logprobs is not None
+    use_opd = forced or (cfg.method in ("opd", "combine") and teacher is not None)
     use_outcome = cfg.outcome_weight > 0 and row.outcome is not None
     if not (use_rl or use_opd or use_outcome):
         return "no_signal"
@@ -135,10 +143,9 @@ def skip_reason(row: Any, cfg: TrainerSettings, limits: ModelLimits, current: in
     if len(row.rollout_logprobs or []) != len(resp):
         return (f"invalid: {len(row.rollout_logprobs or [])} rollout logprobs "
                 f"for {len(resp)} response tokens")
-    if row.teacher_logprobs is not None and len(row.teacher_logprobs) != len(resp):
-        return (f"invalid: {len(row.teacher_logprobs)} teacher logprobs "
-                f"for {len(resp)} response tokens")
-    for name, values in (("rollout", row.rollout_logprobs), ("teacher", row.teacher_logprobs)):
+    if teacher is not None and len(teacher) != len(resp):
+        return f"invalid: {len(teacher)} teacher logprobs for {len(resp)} response tokens"
+    for name, values in (("rollout", row.rollout_logprobs), ("teacher", teacher)):
         if values is not None and any(not math.isfinite(v) or v > 1e-3 for v in values):
             return f"invalid: {name} logprobs must be finite and <= 0"
     return None
@@ -170,6 +177,8 @@ class Batch:
     # [B]: the temperature each sample was drawn at, which its logprobs are recomputed at
     # (trainer/offpolicy.py); None: all 1.
     temperature: torch.Tensor | None = None
+    # [B] bool: drawn under a grammar, distilled toward it (trainer/loss.py); None: none.
+    constrained: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -190,7 +199,8 @@ class Batch:
             has_teacher=self.has_teacher.to(device), outcome=self.outcome.to(device),
             has_outcome=self.has_outcome.to(device), staleness=self.staleness,
             baseline=self.baseline.to(device),
-            temperature=None if self.temperature is None else self.temperature.to(device))
+            temperature=None if self.temperature is None else self.temperature.to(device),
+            constrained=None if self.constrained is None else self.constrained.to(device))
 
     def micro_batches(self, size: int) -> list[Batch]:
         out = []
@@ -207,7 +217,8 @@ class Batch:
                 has_reward=self.has_reward[s], has_teacher=self.has_teacher[s],
                 outcome=self.outcome[s], has_outcome=self.has_outcome[s],
                 staleness=self.staleness[s], baseline=self.baseline[s],
-                temperature=None if self.temperature is None else self.temperature[s]))
+                temperature=None if self.temperature is None else self.temperature[s],
+                constrained=None if self.constrained is None else self.constrained[s]))
         return out
 
 
@@ -216,6 +227,8 @@ def collate(samples: Sequence[SampleRow], current_version: int, pad_id: int = 0)
 
     Sample b with P prompt and R response tokens occupies input positions [0, P + R); its
     response token i sits at input position P + i and is predicted at target column P − 1 + i.
+    A constrained sample's teacher logprobs are its rollout logprobs (the masked distribution's),
+    in place of any the judge scored with a hint.
     """
     lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
     n, seq = len(samples), max(lengths)
@@ -231,19 +244,22 @@ def collate(samples: Sequence[SampleRow], current_version: int, pad_id: int = 0)
         cols = slice(p - 1, p - 1 + r)
         mask[b, cols] = 1.0
         rollout[b, cols] = torch.tensor(s.rollout_logprobs)
-        if s.teacher_logprobs is not None:
-            teacher[b, cols] = torch.tensor(s.teacher_logprobs)
+        teacher_logprobs = s.rollout_logprobs if s.constrained else s.teacher_logprobs
+        if teacher_logprobs is not None:
+            teacher[b, cols] = torch.tensor(teacher_logprobs)
     return Batch(
         sample_ids=[s.id for s in samples], input_ids=input_ids, attention_mask=attention,
         loss_mask=mask, rollout_logp=rollout, teacher_logp=teacher,
         reward=torch.tensor([float(s.reward or 0) for s in samples]),
         has_reward=torch.tensor([s.reward is not None for s in samples]),
-        has_teacher=torch.tensor([s.teacher_logprobs is not None for s in samples]),
+        has_teacher=torch.tensor([s.constrained or s.teacher_logprobs is not None
+                                  for s in samples]),
         outcome=torch.tensor([float(s.outcome or 0.0) for s in samples]),
         has_outcome=torch.tensor([s.outcome is not None for s in samples]),
         staleness=[current_version - s.version for s in samples],
         baseline=torch.zeros(n),
-        temperature=torch.tensor([float(s.temperature) for s in samples]))
+        temperature=torch.tensor([float(s.temperature) for s in samples]),
+        constrained=torch.tensor([s.constrained for s in samples]))
 
 
 def share_by_user(batch: Batch, users: Sequence[int | None]) -> None:
@@ -364,6 +380,14 @@ GROUP BY s.user_id
 _TENANTS_SQL = "SELECT count(*) FROM (SELECT 1 FROM users WHERE NOT train_opt_out LIMIT 2) u"
 
 
+def constrained_trained(conn: Connection, cfg: TrainerSettings, personal: bool) -> bool:
+    """Whether constrained samples are trained now (`train_constrained`): 'always'; 'own' in
+    personal mode and on a shared model that one user alone may train; 'never' not."""
+    if cfg.train_constrained != "own":
+        return cfg.train_constrained == "always"
+    return personal or conn.execute(text(_TENANTS_SQL)).scalar_one() < 2
+
+
 def fair_order(heads: Sequence[tuple[int, int]], *, batch_size: int, user_cap: int,
                window_cap: int | None = None,
                trained: Mapping[int, int] | None = None) -> list[int]:
@@ -477,7 +501,8 @@ def claim_batch(
         else:  # personal mode: the user's own samples, oldest first
             rows = list(conn.execute(_select_ready(cfg.batch_size, cfg.outcome_wait_s,
                                                    user_id)).all())
-        reasons = [(r.id, skip_reason(r, cfg, limits, current_version)) for r in rows]
+        forced = bool(rows) and constrained_trained(conn, cfg, user_id is not None)
+        reasons = [(r.id, skip_reason(r, cfg, limits, current_version, forced)) for r in rows]
         bad = [(i, why) for i, why in reasons if why is not None]
         if bad:
             # Mark them and start over: the freed slots may be filled by newer samples.
@@ -499,7 +524,8 @@ def claim_batch(
                                  list(r.rollout_logprobs),
                                  None if r.teacher_logprobs is None else list(r.teacher_logprobs),
                                  r.reward, row_version(r, cfg.personal), r.outcome, r.task,
-                                 behaviour_temperature(r.sampling), r.user_id)
+                                 behaviour_temperature(r.sampling), r.user_id,
+                                 forced and is_constrained(r.sampling))
                        for r in rows]
             batch = collate(samples, current_version)
             if cfg.loss_share == "user":

@@ -55,8 +55,14 @@ def _number(value: Any, default: float) -> float | None:
     return float(value) if math.isfinite(value) else None
 
 
-def off_policy_reason(sampling: Any) -> str | None:
-    """Why a sample drawn with `sampling` cannot be trained as the policy's own (None: it can)."""
+def is_constrained(sampling: Any) -> bool:
+    """Whether a sample was drawn under a grammar (`sampling.constraint` set)."""
+    return isinstance(sampling, dict) and bool(sampling.get("constraint"))
+
+
+def off_policy_reason(sampling: Any, train_constrained: bool = False) -> str | None:
+    """Why a sample drawn with `sampling` cannot be trained (None: it can), as the policy's
+    own or, when `train_constrained`, a constrained one as distillation from its grammar."""
     if sampling is None:
         return None
     if not isinstance(sampling, dict):
@@ -69,7 +75,7 @@ def off_policy_reason(sampling: Any) -> str | None:
             return f"off_policy: {name}"
     if _number(sampling.get("repetition_penalty"), 1.0) != 1.0:
         return "off_policy: repetition_penalty"
-    if sampling.get("constraint"):
+    if is_constrained(sampling) and not train_constrained:
         return "off_policy: constrained decoding"
     if "temperature" in sampling and sampling["temperature"] is None:
         return "off_policy: temperature unknown"
