@@ -119,6 +119,17 @@ class TrainerSettings(BaseModel):
     replay_size: int = Field(default=16, ge=1)
     replay_window: int = Field(default=256, ge=1)
     grad_clip: float = Field(default=1.0, gt=0)
+    # Replies drawn under a grammar (a forced tool call, a JSON schema: trainer/offpolicy.py),
+    # trained as distillation toward the masked distribution they were drawn from, with the
+    # judge's reward beside it. `own`: in personal mode and on a shared model one user alone
+    # may train — a grammar can force any exact text (a schema's `const`), so on a model
+    # other users are served it would let one client write into it; `always`; `never`:
+    # skipped as 'off_policy: constrained decoding'.
+    train_constrained: Literal["never", "own", "always"] = "own"
+    # The bound on a constrained token's distillation advantage (nats): the forced
+    # `<tool_call>` of a model that never opens with it has log π ≈ −20; at 5 such a token
+    # weighs like five +1 rewards, not twenty.
+    constrained_adv_max: float = Field(default=5.0, gt=0)
 
     # Batching: `batch_size` samples per optimizer step, processed `micro_batch_size` at a
     # time with gradient accumulation. A batch closes early, with fewer, once its first

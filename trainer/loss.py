@@ -27,12 +27,23 @@ as the engine's rollout logprobs are (trainer/offpolicy.py). The distillation te
 the teacher's logprob, scored by the engine at T = 1, with the student's at T = 1: the rollout
 logprob for a T = 1 sample, the current policy's own (detached) for a tempered one.
 
+A constrained sample (drawn under a grammar, trained when `train_constrained` allows:
+trainer/offpolicy.py) is distilled toward the masked distribution μ it was drawn from:
+
+    A_t     = w_rl · r_b + w_opd · clip(log μ_t − sg(logp_new_t), ±constrained_adv_max)
+    ratio_t = exp(logp_new_t − sg(logp_new_t)) = 1
+
+log μ_t is its rollout logprob and logp_new_t the current policy's, both at the sample's T_b;
+sg: detached. It was not drawn from π, and no importance weight could correct for that
+(μ's mask is not recorded), so the surrogate is a plain policy gradient on A_t.
+
 `num_tokens` is the number of masked tokens in the whole *batch*, passed in so that the sum
 of micro-batch losses under gradient accumulation equals the token mean of the full batch.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -140,6 +151,8 @@ def compute_advantages(
     has_outcome: Tensor | None = None,
     w_outcome: float = 0.0,
     baseline: Tensor | None = None,
+    constrained: Tensor | None = None,
+    constrained_adv_max: float = math.inf,
 ) -> tuple[Tensor, Tensor]:
     """Per-token advantages `[B, T]` and which samples carry a signal `[B]` (bool).
 
@@ -149,6 +162,10 @@ def compute_advantages(
     `method` selects the terms: 'rl' reward only, 'opd' teacher only, 'combine' both, each
     only where present; the outcome joins the reward term under every method (`mix_rewards`).
     baseline `[B]` (`reward_baseline`, None: none) is subtracted from the reward where present.
+    constrained `[B]` bool (None: none) marks samples drawn under a grammar, distilled toward
+    it under every method: their teacher_logp is the masked distribution μ's (the rollout
+    logprobs), rollout_logp the current policy's own, and the gap is clamped to
+    ±`constrained_adv_max` (trainer/offpolicy.py).
     A sample with no selected term has signal False and advantage 0 everywhere; the caller
     must drop it from the loss mask.
     """
@@ -161,13 +178,21 @@ def compute_advantages(
                            has_reward=has_reward, outcome=outcome, has_outcome=has_outcome)
     if baseline is not None:
         r = torch.where(rl_on, r - baseline.float(), 0.0)
-    opd_on = has_teacher.bool() & use_opd  # [B]
+    forced = (torch.zeros_like(has_teacher, dtype=torch.bool) if constrained is None
+              else constrained.bool())  # [B]
+    opd_on = (has_teacher.bool() & use_opd) | forced  # [B]
 
     # Sequence-level reward broadcast over the sample's tokens: [B] -> [B, 1].
     rl_term = r.unsqueeze(-1)
     # Token-level distillation signal: positive where the hinted teacher likes the sampled
-    # token more than the policy that sampled it did.
-    opd_term = torch.where(opd_on.unsqueeze(-1), teacher_logp.float() - rollout_logp.float(), 0.0)
+    # token more than the policy that sampled it did. For a constrained sample it is
+    # log μ − log π = −log(mass the grammar allowed) ≥ 0 on the weights that sampled: 0 where
+    # the grammar left the model free, −log π(a) where it forced a; bounded, so one forced
+    # token the policy gave 1e-9 (20.7 nats) does not outweigh the rest of the batch.
+    gap = teacher_logp.float() - rollout_logp.float()  # [B, T]
+    gap = torch.where(forced.unsqueeze(-1),
+                      gap.clamp(-constrained_adv_max, constrained_adv_max), gap)
+    opd_term = torch.where(opd_on.unsqueeze(-1), gap, 0.0)
     advantages = w_rl * rl_term + w_opd * opd_term  # [B, T]
     return advantages, rl_on | opd_on
 

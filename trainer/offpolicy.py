@@ -16,14 +16,29 @@ What it cannot correct for is never trained (`off_policy_reason`, a `skipped_rea
   of a distribution the policy is not;
 - a temperature that is not a finite number in [0, 2] (the proxy's bound), or unknown (null:
   the request left it unset before the proxy had read the engine's defaults);
-- a structured output (`constraint`: a grammar, clawrl/engine/grammar.py): its tokens were
-  drawn from the model's distribution with every token the grammar refused at that position
-  masked out, and its logprobs are of that masked distribution. The policy's own logprobs
-  are unmasked, so the ratio would read the mask as the policy's doing (exactly: log of the
-  allowed mass, at every step); training it right needs each position's mask, which means
-  replaying the grammar over the reply in the trainer (xgrammar there, and a masked
-  log-softmax in every backend). Until then such turns are not trained: a structured reply
-  shapes the format more than the content, and the format is the grammar's, not the model's.
+- a structured output (`constraint`: a grammar, clawrl/engine/grammar.py) when
+  `train_constrained` does not allow it (below).
+
+A structured output is drawn from the model's distribution with every token the grammar
+refused at that position masked out, and its rollout logprobs are of that masked
+distribution μ_t = π_t restricted to the allowed tokens, renormalised: for the sampled token,
+log μ(a_t) = log π_old(a_t) − log Z_t, Z_t the mass the grammar allowed. As the policy's own
+sample it cannot be trained: the ratio π/μ would read the mask as the policy's doing, and
+correcting for it needs each position's mask (replaying the grammar in the trainer). Instead
+it is trained as distillation toward μ (trainer/loss.py): μ is the teacher, its logprobs the
+rollout ones (replacing any hint teacher the judge scored for the turn); the student is the
+current policy's own unmasked logprob, detached, at the sample's temperature (μ's), so the
+gap log μ − log π = −log Z_t ≥ 0 on the weights that sampled — 0 where the grammar left the
+model free, −log π(a_t) where it forced a_t (the `<tool_call>` a model never opens with),
+bounded by `constrained_adv_max`. The ratio's behaviour side is the current policy's own
+logprob too (ratio 1: a plain policy gradient, since the sample was not drawn from π and no
+importance weight can correct for that). The judge's reward stays beside it, on every token:
+where the grammar left the model free (which tool, which arguments) a call whose result went
+wrong is pushed down and one that worked up, as for any turn.
+`train_constrained`: 'own' (the default) trains them in personal mode and on a shared model one
+user alone may train — a grammar can force any exact text (a schema's `const`), so on a model
+other users are served it would let one client write into it, as a logit_bias would;
+'always'; 'never'.
 
 Truncation (top_p, top_k, min_p) is ignored on both sides: the recorded logprob and the
 recomputed one are both of the untruncated tempered distribution, so the ratio stays exactly
@@ -55,8 +70,14 @@ def _number(value: Any, default: float) -> float | None:
     return float(value) if math.isfinite(value) else None
 
 
-def off_policy_reason(sampling: Any) -> str | None:
-    """Why a sample drawn with `sampling` cannot be trained as the policy's own (None: it can)."""
+def is_constrained(sampling: Any) -> bool:
+    """Whether a sample was drawn under a grammar (`sampling.constraint` set)."""
+    return isinstance(sampling, dict) and bool(sampling.get("constraint"))
+
+
+def off_policy_reason(sampling: Any, train_constrained: bool = False) -> str | None:
+    """Why a sample drawn with `sampling` cannot be trained (None: it can), as the policy's
+    own or, when `train_constrained`, a constrained one as distillation from its grammar."""
     if sampling is None:
         return None
     if not isinstance(sampling, dict):
@@ -69,7 +90,7 @@ def off_policy_reason(sampling: Any) -> str | None:
             return f"off_policy: {name}"
     if _number(sampling.get("repetition_penalty"), 1.0) != 1.0:
         return "off_policy: repetition_penalty"
-    if sampling.get("constraint"):
+    if is_constrained(sampling) and not train_constrained:
         return "off_policy: constrained decoding"
     if "temperature" in sampling and sampling["temperature"] is None:
         return "off_policy: temperature unknown"

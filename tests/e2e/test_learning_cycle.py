@@ -29,7 +29,7 @@ from judge.worker import Worker
 from trainer.backends.torch import TorchBackend
 from trainer.checkpoint import save_checkpoint
 from trainer.config import Settings, TrainerSettings
-from trainer.data import SampleRow, collate
+from trainer.data import SampleRow, claim_batch, collate
 from trainer.publish import publish_version
 from trainer.train import train
 
@@ -197,3 +197,56 @@ async def test_streams_across_a_swap_all_complete_and_are_stored(
     assert all(t.status == "ok" for t in turns), turns
     assert {t.weight_version for t in turns} <= {"default", "1"}
     assert turns[-1].weight_version == "1"
+
+
+# A tool whose every argument is bounded, so the grammar ends the call on its own.
+WEATHER = {"type": "function", "function": {
+    "name": "weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "required": ["city"], "additionalProperties": False,
+                   "properties": {"city": {"enum": ["paris", "oslo", "lima"]}}}}}
+
+
+async def test_a_forced_tool_call_teaches_the_model_to_open_with_it(
+        db: Engine, db_url: str, tiny_model_dir: Path, tmp_path: Path, engine_url: str) -> None:
+    """`tool_choice: "required"` through the proxy: the engine's grammar forces the call, the
+    tool's result comes back as the next state, the judge turns the turn into a sample, and
+    the trainer distils toward the grammar (trainer/offpolicy.py): the model's own, unmasked
+    probability of the call's opening token on that prompt rises, and of the whole call.
+    (The scripted judge votes −1: on the tokens the grammar forced, the distillation wins.)"""
+    torch.set_num_threads(1)
+    key = create_user(db_url, "ada")[1]
+    ask = [{"role": "user", "content": "What is the weather in Oslo?"}]
+    async with running_proxy(engine_url, db_url, tmp_path) as proxy_url, \
+            running_judge(db_url, engine_url), \
+            httpx.AsyncClient(base_url=proxy_url, timeout=120,
+                              headers={"Authorization": f"Bearer {key}"}) as client:
+        r1 = await client.post("/v1/chat/completions", json={
+            "model": "default", "messages": ask, "tools": [WEATHER], "temperature": 0,
+            "tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 64})
+        assert r1.status_code == 200, r1.text
+        [call] = r1.json()["choices"][0]["message"]["tool_calls"]
+        follow = [*ask, {"role": "assistant", "content": None, "tool_calls": [call]},
+                  {"role": "tool", "tool_call_id": call["id"], "content": "sunny, 21 C"}]
+        r2 = await client.post("/v1/chat/completions", json={
+            "model": "default", "messages": follow, "tools": [WEATHER], "temperature": 0,
+            "max_tokens": 4})
+        assert r2.status_code == 200, r2.text
+        await wait_for(lambda: bool(rows(db, "SELECT 1 FROM samples")))
+
+    [sample] = rows(db, "SELECT * FROM samples")
+    backend = TorchBackend(TrainerSettings(batch_size=1, max_wait_s=0.0, poll_s=0.05,
+                                           device="cpu", lr=1e-3, kl_coef=0.0))
+    backend.load(tiny_model_dir)
+    claim, skipped = claim_batch(db, backend.cfg, backend.limits, 0)
+    assert claim is not None and not skipped
+    assert claim.batch.constrained is not None and claim.batch.constrained.tolist() == [True]
+    opening = len(sample.prompt_ids) - 1  # the target column of the first response token
+    mask = claim.batch.loss_mask.bool()
+    before = backend.compute_logprobs(claim.batch)
+    for _ in range(5):
+        assert backend.train_step(claim.batch).status == "ok"
+    after = backend.compute_logprobs(claim.batch)
+    claim.release()
+    # The opening token's share of a 40-60 token call's mean is small, the call's sum large.
+    assert float(after[0, opening]) > float(before[0, opening]) + 0.25
+    assert float(after[mask].sum()) > float(before[mask].sum()) + 10.0

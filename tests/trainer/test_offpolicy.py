@@ -67,7 +67,7 @@ def test_what_cannot_be_corrected_is_skipped_with_its_reason(
         ({**PLAIN, "temperature": 0}, None),  # greedy
     ]
     ids = [with_sampling(db, add_sample(), sampling) for sampling, _ in cases]
-    claim, skipped = claim_batch(db, cfg(), LIMITS, 0)
+    claim, skipped = claim_batch(db, cfg(train_constrained="never"), LIMITS, 0)
     assert claim is not None
     assert skipped == {"off_policy": 8}
     trained = [i for i, (_, why) in zip(ids, cases, strict=True) if why is None]
@@ -87,6 +87,11 @@ def test_behaviour_temperature_and_reasons() -> None:
     assert off_policy_reason({"logit_bias": False, "temperature": 2.0}) is None
     assert off_policy_reason("garbage") == "off_policy: unreadable sampling"
     assert off_policy_reason({"temperature": "hot"}) == "off_policy: temperature"
+    forced = {"constraint": {"tool_choice": "required"}}
+    assert off_policy_reason(forced) == "off_policy: constrained decoding"
+    assert off_policy_reason(forced, train_constrained=True) is None
+    assert off_policy_reason({**forced, "logit_bias": True}, train_constrained=True) \
+        == "off_policy: logit_bias"
 
 
 def test_temper_divides_each_sample_by_its_temperature() -> None:

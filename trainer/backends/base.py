@@ -91,7 +91,8 @@ def signal_mask(cfg: TrainerSettings, batch: Batch) -> Tensor:
         method=cfg.method, w_rl=cfg.w_rl, w_opd=cfg.w_opd, reward=batch.reward,
         has_reward=batch.has_reward, teacher_logp=batch.teacher_logp,
         has_teacher=batch.has_teacher, rollout_logp=batch.rollout_logp,
-        outcome=batch.outcome, has_outcome=batch.has_outcome, w_outcome=cfg.outcome_weight)
+        outcome=batch.outcome, has_outcome=batch.has_outcome, w_outcome=cfg.outcome_weight,
+        constrained=batch.constrained)
     return batch.loss_mask * has_signal.unsqueeze(-1).to(batch.loss_mask.dtype)
 
 
@@ -111,18 +112,29 @@ def micro_batch_loss(
     signal tokens in the whole batch (see `signal_mask`). logp_plain: the current policy's
     logprobs at T = 1, needed when a tempered sample carries teacher logprobs (the teacher
     scores at T = 1; `student_logprobs`).
+
+    A constrained sample (`micro.constrained`) was drawn from the grammar's masked distribution,
+    not from the policy: both its student logprobs (against its teacher, that distribution) and
+    its behaviour logprobs (in the ratio) are the current policy's own, detached — ratio 1.
     """
+    student = (student_logprobs(micro, logp_plain) if cfg.method in ("opd", "combine")
+               else micro.rollout_logp)
+    behaviour = micro.rollout_logp
+    forced = constrained(micro)
+    if forced is not None:
+        own = logp_new.detach()
+        student = torch.where(forced.unsqueeze(-1), own, student)
+        behaviour = torch.where(forced.unsqueeze(-1), own, behaviour)
     advantages, has_signal = compute_advantages(
         method=cfg.method, w_rl=cfg.w_rl, w_opd=cfg.w_opd, reward=micro.reward,
         has_reward=micro.has_reward, teacher_logp=micro.teacher_logp,
-        has_teacher=micro.has_teacher,
-        rollout_logp=(student_logprobs(micro, logp_plain) if cfg.method in ("opd", "combine")
-                      else micro.rollout_logp),
+        has_teacher=micro.has_teacher, rollout_logp=student,
         outcome=micro.outcome, has_outcome=micro.has_outcome, w_outcome=cfg.outcome_weight,
-        baseline=micro.baseline)
+        baseline=micro.baseline, constrained=forced,
+        constrained_adv_max=cfg.constrained_adv_max)
     mask = micro.loss_mask * has_signal.unsqueeze(-1).to(micro.loss_mask.dtype)
     return policy_loss(
-        logp_new=logp_new, rollout_logp=micro.rollout_logp, advantages=advantages, mask=mask,
+        logp_new=logp_new, rollout_logp=behaviour, advantages=advantages, mask=mask,
         num_tokens=num_tokens, eps_low=cfg.eps_low, eps_high=cfg.eps_high, logp_ref=logp_ref,
         kl_coef=cfg.kl_coef, entropy=entropy, entropy_coef=cfg.entropy_coef)
 
@@ -135,11 +147,27 @@ def tempered(batch: Batch) -> Tensor | None:
     return mask if bool(mask.any()) else None
 
 
+def constrained(batch: Batch) -> Tensor | None:
+    """`[B]` bool: the samples drawn under a grammar, distilled toward it (None: none)."""
+    if batch.constrained is None:
+        return None
+    mask = batch.constrained.bool()
+    return mask if bool(mask.any()) else None
+
+
+def hinted(batch: Batch) -> Tensor:
+    """`[B]` bool: the samples whose teacher the judge scored with a hint, at T = 1 (not a
+    constrained sample's: its teacher is at the sample's own T)."""
+    forced = constrained(batch)
+    has = batch.has_teacher.bool()
+    return has if forced is None else has & ~forced.to(has.device)
+
+
 def needs_plain_logprobs(cfg: TrainerSettings, batch: Batch) -> bool:
     """Whether the distillation term needs the policy's T = 1 logprobs for this batch."""
     mask = tempered(batch)
     return (mask is not None and cfg.method in ("opd", "combine")
-            and bool((mask & batch.has_teacher.bool().to(mask.device)).any()))
+            and bool((mask & hinted(batch).to(mask.device)).any()))
 
 
 def student_logprobs(batch: Batch, logp_plain: Tensor | None) -> Tensor:
@@ -151,7 +179,7 @@ def student_logprobs(batch: Batch, logp_plain: Tensor | None) -> Tensor:
     if mask is None:
         return batch.rollout_logp
     if logp_plain is None:
-        if bool((mask & batch.has_teacher.bool().to(mask.device)).any()):
+        if bool((mask & hinted(batch).to(mask.device)).any()):
             raise ValueError("tempered samples with teacher logprobs need logp_plain")
         return batch.rollout_logp
     return torch.where(mask.unsqueeze(-1), logp_plain.detach(), batch.rollout_logp)

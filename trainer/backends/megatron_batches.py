@@ -50,6 +50,7 @@ def _pad(micro: Batch, rows: int, length: int) -> Batch:
         # Padding rows at temperature 1: a zero would turn their (masked) logits into inf.
         temperature=None if micro.temperature is None else torch.cat(
             [micro.temperature, torch.ones(extra_rows, dtype=micro.temperature.dtype)]),
+        constrained=None if micro.constrained is None else grow(micro.constrained, 0),
     )
 
 
@@ -79,7 +80,8 @@ def replica_micro_batches(
         micros = [replace(dummy, loss_mask=torch.zeros_like(dummy.loss_mask),
                           has_reward=torch.zeros_like(dummy.has_reward),
                           has_teacher=torch.zeros_like(dummy.has_teacher),
-                          has_outcome=torch.zeros_like(dummy.has_outcome))]
+                          has_outcome=torch.zeros_like(dummy.has_outcome),
+                          constrained=None)]
     if fixed_shape:
         micros = [_pad(m, micro_size, batch.input_ids.shape[1]) for m in micros]
     return micros
