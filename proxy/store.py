@@ -46,6 +46,7 @@ two never compete for the continued turn's lock.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
@@ -63,9 +64,9 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from clawrl.base.db import DeadLetter, User
+from clawrl.base.jobs import notify_stmt
 from proxy.journal import BadLine, Journal
 from proxy.records import TurnRecord, scrub_nul
-from clawrl.base.jobs import notify_stmt
 from proxy.sessions import attach_next_state, record_turns
 
 if TYPE_CHECKING:
@@ -182,8 +183,11 @@ class TurnWriter:
                                                              name="turn-writer-attach")
         # Ended before its turn came to be stored (or its turn never comes: the request
         # failed before its reply): nothing to wait for.
-        task.add_done_callback(lambda done, uid=record.uid: self._early.pop(uid, None)
-                               if self._early.get(uid) is done else None)
+        task.add_done_callback(functools.partial(self._attached, record.uid))
+
+    def _attached(self, uid: str, task: asyncio.Task[None]) -> None:
+        if self._early.get(uid) is task:
+            del self._early[uid]
 
     async def _attach(self, record: TurnRecord) -> None:
         try:
