@@ -5,6 +5,7 @@ either the arguments or the one-line error the agent gets back instead."""
 from __future__ import annotations
 
 import json
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 # JSON Schema type -> the Python types a parsed argument may have (bool is no integer here).
@@ -46,3 +47,20 @@ def read_call(function: dict[str, Any], tools: list[dict[str, Any]]
             article = "an" if kind[0] in "aeiou" else "a"
             return f"error: {name} needs {article} {kind} argument {param!r}"
     return str(name), {p: args[p] for p in schema["required"]}
+
+
+async def answer_calls(reply: dict[str, Any], call: Callable[[dict[str, Any]], Awaitable[str]],
+                       over: Callable[[], bool], nudge: str) -> list[dict[str, Any]]:
+    """The next state of a reply: one `tool` message per call, in order, each `call(function)`'s
+    text, stopping after a call that ended the episode (`over()`); a reply without a tool call
+    gets `nudge` as a user message."""
+    calls = reply.get("tool_calls") or []
+    out: list[dict[str, Any]] = []
+    for c in calls:
+        content = await call(c.get("function") or {})
+        out.append({"role": "tool", "tool_call_id": c.get("id", ""), "content": content})
+        if over():
+            break
+    if not calls:
+        out.append({"role": "user", "content": nudge})
+    return out

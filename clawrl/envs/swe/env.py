@@ -23,7 +23,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from clawrl.envs.calls import read_call, tool_def
+from clawrl.envs.calls import answer_calls, read_call, tool_def
 from clawrl.envs.protocol import EnvError, Message, Observation, Step
 from clawrl.envs.sandbox import Limits, RunResult, Sandbox
 from clawrl.envs.swe.lint import lint_files
@@ -99,15 +99,7 @@ class SweEnv:
     async def step(self, reply: Message) -> Step:
         assert self.sandbox is not None, "reset() first"
         self.steps += 1
-        calls = reply.get("tool_calls") or []
-        out: list[Message] = []
-        for call in calls:
-            content = await self._call(call.get("function") or {})
-            out.append({"role": "tool", "tool_call_id": call.get("id", ""), "content": content})
-            if self.ended_by:
-                break
-        if not calls:
-            out.append({"role": "user", "content": NUDGE})
+        out = await answer_calls(reply, self._call, lambda: bool(self.ended_by), NUDGE)
         if not self.ended_by and self.steps >= self.max_steps:
             self.ended_by = "steps"
         return Step(out, done=bool(self.ended_by))
