@@ -68,8 +68,9 @@ def render(snap: dict[str, Any], before: View | None, mode: str = "full",
         i = item["id"]
         now.lines[i] = describe(item)
         now.roles[i] = item["role"]
-        if item.get("covered"):
+        if item.get("covered"):  # remembered as last shown: uncovered, it is marked against that
             now.covered.add(i)
+            now.lines[i] = before.lines.get(i, now.lines[i]) if before else now.lines[i]
             continue
         line = f"{now.lines[i]} @{','.join(map(str, item['box']))}"
         if before is None:
