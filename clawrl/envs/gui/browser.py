@@ -65,8 +65,19 @@ class Tab:
     async def click_at(self, x: float, y: float) -> None:
         await self.page.mouse.click(x, y)
 
-    async def fill(self, gid: int, text: str) -> None:
-        await self.page.locator(f'[data-gid="{gid}"]').fill(text, timeout=2000)
+    async def fill(self, gid: int, text: str) -> bool:
+        """Focus the field, select its text and type over it (one input event, as a paste);
+        no actionability waits, which a loaded machine can push past any timeout. False when
+        the element is gone."""
+        found = await self.page.evaluate(
+            "(g) => { const el = document.querySelector(`[data-gid=\"${g}\"]`);"
+            " if (!el) return false; el.focus(); if (el.select) el.select(); return true; }", gid)
+        if found:
+            if text:
+                await self.page.keyboard.insert_text(text)
+            else:
+                await self.page.keyboard.press("Delete")
+        return bool(found)
 
     async def press(self, key: str) -> None:
         await self.page.keyboard.press(key)

@@ -176,7 +176,8 @@ class GuiEnv:
         if self.view.roles[element_id] not in TEXT_ROLES:
             raise ValueError(f"[{element_id}] is a {self.view.roles[element_id]}, not a text "
                              "field")
-        await self.host.run(self.tab.fill(element_id, text))
+        if not await self.host.run(self.tab.fill(element_id, text)):
+            raise ValueError(f"element [{element_id}] is no longer on the page")
         return f"typed into {line}"
 
     async def _press(self, key: str) -> str:
