@@ -1,9 +1,10 @@
 """`clawrl bench env`: episodes/s of the env pool through the real proxy, not the model; with
-`--env swe`, of the SWE environment alone.
+`--env swe` or `--env gui`, of that environment alone (gui: clawrl/bench/guienv.py).
 
     clawrl bench env [--concurrency 1,16,64] [--episodes 24,96,192] [--command ls]
                      [--reply-s 0] [--overhead 200] [--json FILE]
     clawrl bench env --env swe [--concurrency 1,16,64] [--episodes 16,64,128] [--json FILE]
+    clawrl bench env --env gui [--concurrency 1,4,16] [--episodes 16,32,64] [--json FILE]
 
 Starts the stand-in engine (clawrl/bench/fake_engine.py) as an agent that answers every request
 with one `run(COMMAND)` call and the request after a tool result with text, and the real
@@ -38,6 +39,7 @@ import shutil
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +48,7 @@ import psycopg
 
 from clawrl.base.db import libpq_url
 from clawrl.base.dbcli import upgrade
+from clawrl.bench.levels import run_level
 from clawrl.bench.procs import BenchProcs
 from clawrl.bench.proxy import bench_database, make_key, pct
 from clawrl.envs.pool import PoolConfig, PoolResult, run_pool
@@ -195,18 +198,6 @@ def leftovers() -> dict[str, int]:
     return {"processes": procs, "folders": folders, "mounts": mounts}
 
 
-async def swe_level(concurrency: int, seeds: range, tool_ms: dict[str, list[float]]
-                    ) -> list[tuple[float, float]]:
-    """The episodes of `seeds`, `concurrency` at a time."""
-    gate = asyncio.Semaphore(concurrency)
-
-    async def one(seed: int) -> tuple[float, float]:
-        async with gate:
-            return await swe_episode(seed, tool_ms)
-
-    return await asyncio.gather(*(one(seed) for seed in seeds))
-
-
 def measure_swe(args: argparse.Namespace) -> list[dict[str, Any]]:
     before = leftovers()
     rows = []
@@ -215,7 +206,8 @@ def measure_swe(args: argparse.Namespace) -> list[dict[str, Any]]:
         tool_ms: dict[str, list[float]] = {}
         cpu0, wall0 = _cpu_self(), time.perf_counter()
         seeds = range(level * 1000, level * 1000 + episodes)
-        results = asyncio.run(swe_level(concurrency, seeds, tool_ms))
+        results = asyncio.run(run_level(concurrency, seeds,
+                                        partial(swe_episode, tool_ms=tool_ms)))
         wall, cpu = time.perf_counter() - wall0, _cpu_self() - cpu0
         left = {k: v - before[k] for k, v in leftovers().items()}
         calls = sum(len(v) for v in tool_ms.values())
@@ -269,11 +261,11 @@ def main_swe(args: argparse.Namespace) -> int:
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="clawrl bench env", description=__doc__.split("\n\n")[0])
-    p.add_argument("--env", choices=("terminal", "swe"), default="terminal",
-                   help="terminal: the pool through the proxy; swe: the SWE environment alone")
+    p.add_argument("--env", choices=("terminal", "swe", "gui"), default="terminal",
+                   help="terminal: the pool through the proxy; swe, gui: the environment alone")
     p.add_argument("--concurrency", default="1,16,64", help="episodes at once, per level")
     p.add_argument("--episodes", default="", help="episodes per level (default 24,96,192; "
-                   "swe: 16,64,128)")
+                   "swe: 16,64,128; gui: 16,32,64 with --concurrency 1,4,16)")
     p.add_argument("--max-steps", type=int, default=4)
     p.add_argument("--command", default="ls", help="the command the stand-in agent runs")
     p.add_argument("--reply-s", type=float, default=0.0, help="the stand-in's reply time")
@@ -281,7 +273,10 @@ def main(argv: list[str]) -> int:
                    help="steps sent each way for the per-step proxy overhead")
     p.add_argument("--json", type=Path, help="also write the figures here")
     args = p.parse_args(argv)
-    args.episodes = args.episodes or ("16,64,128" if args.env == "swe" else "24,96,192")
+    if args.env == "gui" and args.concurrency == "1,16,64":
+        args.concurrency = "1,4,16"
+    args.episodes = args.episodes or {"swe": "16,64,128", "gui": "16,32,64"}.get(args.env,
+                                                                              "24,96,192")
     try:
         args.concurrency = [int(c) for c in args.concurrency.split(",")]
         args.episodes = [int(c) for c in args.episodes.split(",")]
@@ -291,6 +286,10 @@ def main(argv: list[str]) -> int:
         p.error("--concurrency and --episodes take as many positive integers each")
     if args.env == "swe":
         return main_swe(args)
+    if args.env == "gui":
+        from clawrl.bench.guienv import main_gui
+
+        return main_gui(args)
     state_dir = Path(tempfile.mkdtemp(prefix="clawrl-bench-env-", dir="/tmp"))
     try:
         with bench_database(state_dir) as db_url:

@@ -28,7 +28,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "versions": ("trainer.versions", "main", "list, roll back or prune weight versions"),
     "tinyworld": ("clawrl.world.cli", "main", "build the tiny world model"),
     "eval": ("clawrl.eval.cli", "main", "measure that the loop learns (simulated users)"),
-    "env": ("clawrl.envs.cli", "main", "run agent episodes through the proxy (terminal, toolcall, swe)"),
+    "env": ("clawrl.envs.cli", "main", "run agent episodes through the proxy (terminal, toolcall, swe, gui)"),
     "db": ("clawrl.base.dbcli", "main", "database migrations"),
     "users": ("proxy.admin", "users_main", "create, list, opt out or delete users"),
     "keys": ("proxy.admin", "keys_main", "create, list or revoke API keys"),

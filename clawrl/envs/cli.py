@@ -1,9 +1,9 @@
 """`clawrl env`: run agent episodes against the proxy, N at a time.
 
-    clawrl env terminal|toolcall|swe [--episodes 16] [--concurrency 4] [--max-steps 6]
+    clawrl env terminal|toolcall|swe|gui [--episodes 16] [--concurrency 4] [--max-steps 6]
                         [--tasks a,b] [--split train|heldout]
                         [--base-url URL] [--api-key KEY] [--model default] [--max-tokens 128]
-                        [--temperature 1.0] [--seed 0] [--json FILE]
+                        [--temperature 1.0] [--seed 0] [--json FILE] [--screenshots DIR]
 
 The proxy is `--base-url`, else the running `clawrl up`'s: the one `clawrl users|keys|sql` act on
 (clawrl/base/statefile.py `choose_stack`). The key is
@@ -49,8 +49,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tasks", default="", help="comma-separated task names (terminal: "
                    "write_file, count_lines, find_word, move_file, sum_numbers, delete_logs, "
                    "uppercase, sort_lines); default all")
-    p.add_argument("--split", default="", help="toolcall: the questions, swe: the tasks; "
-                   "train (held-in, the default) or heldout")
+    p.add_argument("--split", default="", help="toolcall: the questions, swe and gui: the "
+                   "tasks; train (held-in, the default) or heldout")
     p.add_argument("--base-url", default="", help="the proxy's /v1 URL")
     p.add_argument("--api-key", default="")
     p.add_argument("--model", default="default")
@@ -61,6 +61,8 @@ def parser() -> argparse.ArgumentParser:
                    help="episodes per seed: each task run this many times (compared with "
                         "each other by the trainer's group_mean baseline)")
     p.add_argument("--json", type=Path, help="also write every episode here")
+    p.add_argument("--screenshots", default="", help="gui: write each page state's screenshot "
+                   "into this folder (their paths are in the episodes' details)")
     return p
 
 
@@ -76,10 +78,15 @@ def config_from(args: argparse.Namespace) -> PoolConfig:
     if options and args.name != "terminal":
         raise EnvError(f"--tasks applies to the terminal environment, not {args.name!r}")
     if args.split:
-        if args.name not in ("toolcall", "swe"):
-            raise EnvError(f"--split applies to the toolcall and swe environments, not "
+        if args.name not in ("toolcall", "swe", "gui"):
+            raise EnvError(f"--split applies to the toolcall, swe and gui environments, not "
                            f"{args.name!r}")
         options["split"] = args.split
+    if args.screenshots:
+        if args.name != "gui":
+            raise EnvError(f"--screenshots applies to the gui environment, not {args.name!r}")
+        os.makedirs(args.screenshots, exist_ok=True)
+        options["screenshots"] = str(Path(args.screenshots).resolve())
     make_env(args.name, args.seed, **options)  # a bad name or task fails here, in one line
     return PoolConfig(env=args.name, episodes=args.episodes, concurrency=args.concurrency,
                       max_steps=args.max_steps, seed=args.seed, group=args.group,

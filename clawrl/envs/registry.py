@@ -27,12 +27,20 @@ def _swe(seed: int, **options: Any) -> Env:
     return SweEnv(seed, **options)
 
 
+def _gui(seed: int, **options: Any) -> Env:
+    from clawrl.envs.gui.env import GuiEnv
+
+    return GuiEnv(seed, **options)
+
+
 ENVS: dict[str, tuple[Callable[..., Env], str]] = {
     "terminal": (_terminal, "a sandboxed shell with small verifiable tasks (run(command))"),
     "toolcall": (_toolcall, "questions about the tiny world, answered with lookup(person, "
                  "attribute) then answer(text)"),
     "swe": (_swe, "fix the seeded bug of a generated Python project (read, patch, run the "
             "tests, lint, finish)"),
+    "gui": (_gui, "reach a goal in a generated web application in headless Chromium (click, "
+            "click_at, type, press, scroll, done)"),
 }
 
 

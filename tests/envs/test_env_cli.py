@@ -26,10 +26,13 @@ def clawrl(*args: str, env: dict[str, str] | None = None,
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (["nope"], "clawrl env: unknown environment 'nope' (known: terminal, toolcall, swe)"),
+    (["nope"], "clawrl env: unknown environment 'nope' (known: terminal, toolcall, swe, gui)"),
     (["toolcall", "--split", "dev"], "clawrl env: unknown split 'dev' (train or heldout)"),
     (["terminal", "--split", "heldout"],
-     "clawrl env: --split applies to the toolcall and swe environments, not 'terminal'"),
+     "clawrl env: --split applies to the toolcall, swe and gui environments, not 'terminal'"),
+    (["gui", "--split", "dev"], "clawrl env: unknown split 'dev' (train or heldout)"),
+    (["swe", "--screenshots", "x"],
+     "clawrl env: --screenshots applies to the gui environment, not 'swe'"),
     (["swe", "--split", "dev"], "clawrl env: unknown split 'dev' (train or heldout)"),
     (["swe", "--tasks", "text"], "clawrl env: --tasks applies to the terminal environment"),
     (["toolcall", "--tasks", "write_file"],

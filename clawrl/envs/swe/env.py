@@ -17,13 +17,13 @@ on the command line, never written where the agent could read or edit it): +1 wh
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import shlex
 from pathlib import Path
 from typing import Any
 
+from clawrl.envs.calls import answer_calls, read_call, tool_def
 from clawrl.envs.protocol import EnvError, Message, Observation, Step
 from clawrl.envs.sandbox import Limits, RunResult, Sandbox
 from clawrl.envs.swe.lint import lint_files
@@ -41,26 +41,18 @@ SYSTEM = ("You fix bugs in small Python projects. Use the tools: list_files, rea
 NUDGE = "No tool was called. Use the tools to find and fix the bug, then call finish."
 
 
-def _tool(name: str, description: str, **params: str) -> dict[str, Any]:
-    return {"type": "function", "function": {
-        "name": name, "description": description, "parameters": {
-            "type": "object", "properties": {p: {"type": "string", "description": d}
-                                             for p, d in params.items()},
-            "required": list(params)}}}
-
-
 TOOLS = [
-    _tool("list_files", "List the project's files and their sizes."),
-    _tool("read_file", "Read a file of the project.", path="the file's path, e.g. README.md"),
-    _tool("replace_in_file", "Replace the one occurrence of old with new in a file.",
-          path="the file's path", old="the exact text to replace (it must occur once)",
-          new="the text to put in its place"),
-    _tool("apply_patch", "Apply a unified diff (--- a/FILE, +++ b/FILE, @@ hunks).",
-          diff="the unified diff"),
-    _tool("run_tests", "Run the project's tests; the failures, then 'N passed, M failed'."),
-    _tool("run_linter", "Check the project's Python files for errors (syntax, undefined "
-          "names, unused imports and variables)."),
-    _tool("finish", "Say the bug is fixed; ends the episode."),
+    tool_def("list_files", "List the project's files and their sizes."),
+    tool_def("read_file", "Read a file of the project.", path="the file's path, e.g. README.md"),
+    tool_def("replace_in_file", "Replace the one occurrence of old with new in a file.",
+             path="the file's path", old="the exact text to replace (it must occur once)",
+             new="the text to put in its place"),
+    tool_def("apply_patch", "Apply a unified diff (--- a/FILE, +++ b/FILE, @@ hunks).",
+             diff="the unified diff"),
+    tool_def("run_tests", "Run the project's tests; the failures, then 'N passed, M failed'."),
+    tool_def("run_linter", "Check the project's Python files for errors (syntax, undefined "
+             "names, unused imports and variables)."),
+    tool_def("finish", "Say the bug is fixed; ends the episode."),
 ]
 TOOL_NAMES = [t["function"]["name"] for t in TOOLS]
 
@@ -107,36 +99,20 @@ class SweEnv:
     async def step(self, reply: Message) -> Step:
         assert self.sandbox is not None, "reset() first"
         self.steps += 1
-        calls = reply.get("tool_calls") or []
-        out: list[Message] = []
-        for call in calls:
-            content = await self._call(call.get("function") or {})
-            out.append({"role": "tool", "tool_call_id": call.get("id", ""), "content": content})
-            if self.ended_by:
-                break
-        if not calls:
-            out.append({"role": "user", "content": NUDGE})
+        out = await answer_calls(reply, self._call, lambda: bool(self.ended_by), NUDGE)
         if not self.ended_by and self.steps >= self.max_steps:
             self.ended_by = "steps"
         return Step(out, done=bool(self.ended_by))
 
     async def _call(self, function: dict[str, Any]) -> str:
-        name = function.get("name")
-        if name not in TOOL_NAMES:
-            return f"error: unknown tool {name!r} (the tools: {', '.join(TOOL_NAMES)})"
-        self.calls.append(str(name))
+        if function.get("name") in TOOL_NAMES:  # counted even when its arguments are bad
+            self.calls.append(str(function["name"]))
+        call = read_call(function, TOOLS)
+        if isinstance(call, str):
+            return call
+        name, args = call
         try:
-            args = json.loads(function.get("arguments") or "{}")
-        except ValueError:
-            return "error: the arguments are not valid JSON"
-        if not isinstance(args, dict):
-            return "error: the arguments must be a JSON object"
-        needed = TOOLS[TOOL_NAMES.index(name)]["function"]["parameters"]["required"]
-        for param in needed:
-            if not isinstance(args.get(param), str):
-                return f"error: {name} needs a string argument {param!r}"
-        try:
-            text: str = await getattr(self, f"_{name}")(*(args[p] for p in needed))
+            text: str = await getattr(self, f"_{name}")(*args.values())
             return text
         except (ValueError, PatchError) as exc:  # a path out of the sandbox, a bad patch
             if name in ("replace_in_file", "apply_patch"):
