@@ -42,8 +42,12 @@ clawrl_engine() {
     exec "${CLAWRL[@]}" engine --model "$model" --host 0.0.0.0 --port "$port" "$@"
 }
 
-# HAProxy in front of the proxies: health-checked on /readyz, a request that cannot reach
-# a proxy is sent to another (retries + redispatch), long timeouts for streamed replies.
+# HAProxy in front of the proxies: health-checked on /readyz every second, a request that
+# cannot connect to a proxy is sent to another (retries + redispatch), long timeouts for
+# streamed replies. Each request opens its own connection to a proxy (http-server-close):
+# a request sent down a kept-alive connection to a proxy that has just dropped off the
+# network is never retried and waits out `timeout server` (the rehearsal's cut link showed
+# it); a fresh connect fails within `timeout connect` and goes to another proxy.
 balancer_config() {
     local i=0 backend
     cat <<CFG
@@ -51,10 +55,11 @@ global
     maxconn 4096
 defaults
     mode http
-    timeout connect 2s
+    option http-server-close
+    timeout connect 1s
     timeout client 600s
     timeout server 600s
-    retries 3
+    retries 2
     option redispatch 1
 frontend clawrl
     bind ${BALANCER_LISTEN:-0.0.0.0:8080}
@@ -122,7 +127,7 @@ proxy-*)
         exec "${CLAWRL[@]}" proxy
     ;;
 balancer)
-    config=$(mktemp /tmp/clawrl-haproxy.XXXXXX.cfg)
+    config=${BALANCER_CONFIG:-/tmp/clawrl-haproxy.cfg}
     balancer_config > "$config"
     exec "${HAPROXY:-haproxy}" -db -f "$config"
     ;;
