@@ -127,7 +127,7 @@ def conversation(client: Any, i: int) -> list[str]:
 
 def query(db_url: str, sql: str, *args: Any) -> list[tuple[Any, ...]]:
     with psycopg.connect(db_url, connect_timeout=10, autocommit=True) as conn:
-        return conn.execute(sql, args).fetchall()  # type: ignore[arg-type]
+        return conn.execute(sql, args).fetchall()
 
 
 def wait_for(what: str, check: Callable[[], bool], timeout_s: float, poll_s: float = 1.0) -> float:
