@@ -73,8 +73,8 @@ def config_from(args: argparse.Namespace) -> PoolConfig:
             raise EnvError(f"--{name.replace('_', '-')} must be at least 1")
     if not 0.0 <= args.temperature <= 2.0:
         raise EnvError("--temperature must be in [0, 2]")
-    options = {"tasks": [t.strip() for t in args.tasks.split(",") if t.strip()]} \
-        if args.tasks else {}
+    options: dict[str, Any] = {
+        "tasks": [t.strip() for t in args.tasks.split(",") if t.strip()]} if args.tasks else {}
     if options and args.name != "terminal":
         raise EnvError(f"--tasks applies to the terminal environment, not {args.name!r}")
     if args.split:
