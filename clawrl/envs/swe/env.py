@@ -1,9 +1,11 @@
 """The SWE track's episode: fix the seeded bug of a generated project (clawrl/envs/swe/tasks.py)
 in a sandbox (clawrl/envs/sandbox.py, the terminal track's), through ordinary tool calls.
 
-Tools (`TOOLS`, OpenAI definitions): list_files, read_file(path), replace_in_file(path, old,
-new), apply_patch(diff), run_tests, run_linter, finish. Each call's result comes back as a
-`tool` message (the next state): a file's text, `error: …` for a bad call (a path out of the
+Tools (`TOOLS`, OpenAI definitions): list_files, read_file(path[, name]), replace_in_file(path,
+old, new), apply_patch(diff), run_tests, run_linter, finish. Each call's result comes back as a
+`tool` message (the next state): a file's text (or, with `name`, only that function, method,
+class or constant's lines: a small model's context holds one function, not a whole module),
+`error: …` for a bad call (a path out of the
 sandbox, text not found, a patch that does not apply), the visible tests' failures and counts
 (`3 passed, 1 failed`), the linter's problems. `finish` ends the episode; so does the step
 budget (`max_steps` replies), and so does a test run the sandbox had to stop (killed at its time
@@ -26,6 +28,7 @@ from typing import Any
 
 from clawrl.envs.protocol import EnvError, Message, Observation, Step
 from clawrl.envs.sandbox import Limits, RunResult, Sandbox
+from clawrl.envs.swe.excerpt import definition
 from clawrl.envs.swe.lint import lint_files
 from clawrl.envs.swe.patch import PatchError, apply_patch
 from clawrl.envs.swe.tasks import SPLITS, Task, draw_task
@@ -41,17 +44,21 @@ SYSTEM = ("You fix bugs in small Python projects. Use the tools: list_files, rea
 NUDGE = "No tool was called. Use the tools to find and fix the bug, then call finish."
 
 
-def _tool(name: str, description: str, **params: str) -> dict[str, Any]:
+def _tool(tool: str, description: str, /, optional: tuple[str, ...] = (),
+          **params: str) -> dict[str, Any]:
     return {"type": "function", "function": {
-        "name": name, "description": description, "parameters": {
+        "name": tool, "description": description, "parameters": {
             "type": "object", "properties": {p: {"type": "string", "description": d}
                                              for p, d in params.items()},
-            "required": list(params)}}}
+            "required": [p for p in params if p not in optional]}}}
 
 
 TOOLS = [
     _tool("list_files", "List the project's files and their sizes."),
-    _tool("read_file", "Read a file of the project.", path="the file's path, e.g. README.md"),
+    _tool("read_file", "Read a file of the project, or with name only one function, method, "
+          "class or constant of it.", optional=("name",),
+          path="the file's path, e.g. README.md",
+          name="optional: a function, method or constant, e.g. truncate or Store.add"),
     _tool("replace_in_file", "Replace the one occurrence of old with new in a file.",
           path="the file's path", old="the exact text to replace (it must occur once)",
           new="the text to put in its place"),
@@ -131,12 +138,18 @@ class SweEnv:
             return "error: the arguments are not valid JSON"
         if not isinstance(args, dict):
             return "error: the arguments must be a JSON object"
-        needed = TOOLS[TOOL_NAMES.index(name)]["function"]["parameters"]["required"]
+        schema = TOOLS[TOOL_NAMES.index(name)]["function"]["parameters"]
+        needed = schema["required"]
         for param in needed:
             if not isinstance(args.get(param), str):
                 return f"error: {name} needs a string argument {param!r}"
+        optional = {p: args[p] for p in schema["properties"]
+                    if p not in needed and args.get(p) not in (None, "")}
+        for param, value in optional.items():
+            if not isinstance(value, str):
+                return f"error: {name}'s argument {param!r} must be a string"
         try:
-            text: str = await getattr(self, f"_{name}")(*(args[p] for p in needed))
+            text: str = await getattr(self, f"_{name}")(*(args[p] for p in needed), **optional)
             return text
         except (ValueError, PatchError) as exc:  # a path out of the sandbox, a bad patch
             if name in ("replace_in_file", "apply_patch"):
@@ -169,11 +182,11 @@ class SweEnv:
         assert self.sandbox is not None
         return self.sandbox.read(path, FILE_LIMIT)
 
-    async def _read_file(self, path: str) -> str:
+    async def _read_file(self, path: str, name: str = "") -> str:
         text = self._read(path)
         if text is None:
             raise ValueError(f"no file named {path!r} (list_files shows the files)")
-        return text
+        return definition(text, path, name) if name else text
 
     async def _replace_in_file(self, path: str, old: str, new: str) -> str:
         assert self.sandbox is not None
