@@ -9,7 +9,7 @@ saved with the tool-call track's compact tools template (clawrl/world/tools.py
 held-out and held-in tasks it never saw, sampled at temperature 1 as `clawrl env swe` samples.
 
 Cached like the tiny world's builds: DIR/swemodel.json is written last with the build key; a
-build with the same key is skipped. The full build takes ~30 minutes on 2 shared cores
+build with the same key is skipped. The full build took 41 minutes on 2 shared cores
 (docs/results/2026-12-07-swe-model.md); `--small` a minute (plumbing tests).
 """
 
