@@ -50,6 +50,7 @@ ROOMS: dict[str, set[str]] = {
     "clawrl.world": set(),
     "clawrl.judgemodel": {"clawrl.base", "clawrl.engine", "judge", "clawrl.world"},
     "clawrl.envs": {"clawrl.base", "proxy", "clawrl.world"},
+    "clawrl.swemodel": {"clawrl.engine", "clawrl.world", "clawrl.envs"},
     "clawrl.eval": {"clawrl.base", "proxy", "clawrl.cli", "clawrl.world", "clawrl.envs"},
     "clawrl.bench": {"clawrl.base", "clawrl.engine", "proxy", "judge", "trainer", "clawrl.cli",
                      "clawrl.world", "clawrl.envs"},

@@ -27,6 +27,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "train": ("trainer.train", "main", "run the trainer"),
     "versions": ("trainer.versions", "main", "list, roll back or prune weight versions"),
     "tinyworld": ("clawrl.world.cli", "main", "build the tiny world model"),
+    "swemodel": ("clawrl.swemodel.build", "main", "build the SWE track's tiny coding model"),
     "eval": ("clawrl.eval.cli", "main", "measure that the loop learns (simulated users)"),
     "env": ("clawrl.envs.cli", "main", "run agent episodes through the proxy (terminal, toolcall, swe, gui)"),
     "db": ("clawrl.base.dbcli", "main", "database migrations"),

@@ -13,16 +13,18 @@ TYPES: dict[str, tuple[type, ...]] = {"string": (str,), "integer": (int,),
                                       "number": (int, float)}
 
 
-def tool_def(name: str, description: str, **params: str | tuple[str, str]) -> dict[str, Any]:
+def tool_def(name: str, description: str, /, optional: tuple[str, ...] = (),
+             **params: str | tuple[str, str]) -> dict[str, Any]:
     """An OpenAI tool definition; each parameter is its description (a string) or (type,
-    description); every parameter is required."""
+    description); every parameter is required except those named in `optional`."""
     props = {}
     for param, spec in params.items():
         kind, text = ("string", spec) if isinstance(spec, str) else spec
         props[param] = {"type": kind, "description": text}
     return {"type": "function", "function": {
         "name": name, "description": description,
-        "parameters": {"type": "object", "properties": props, "required": list(params)}}}
+        "parameters": {"type": "object", "properties": props,
+                       "required": [p for p in params if p not in optional]}}}
 
 
 def read_call(function: dict[str, Any], tools: list[dict[str, Any]]
@@ -40,13 +42,18 @@ def read_call(function: dict[str, Any], tools: list[dict[str, Any]]
     if not isinstance(args, dict):
         return "error: the arguments must be a JSON object"
     schema = tools[names.index(name)]["function"]["parameters"]
-    for param in schema["required"]:
+    required = schema["required"]
+    for param in schema["properties"]:  # an optional one may be left out (or null, or "")
+        if param not in required and args.get(param) in (None, ""):
+            continue
         kind = schema["properties"][param]["type"]
         value = args.get(param)
         if isinstance(value, bool) or not isinstance(value, TYPES[kind]):
             article = "an" if kind[0] in "aeiou" else "a"
-            return f"error: {name} needs {article} {kind} argument {param!r}"
-    return str(name), {p: args[p] for p in schema["required"]}
+            needs = "needs" if param in required else "takes"
+            return f"error: {name} {needs} {article} {kind} argument {param!r}"
+    return str(name), {p: args[p] for p in schema["properties"]
+                       if p in required or args.get(p) not in (None, "")}
 
 
 async def answer_calls(reply: dict[str, Any], call: Callable[[dict[str, Any]], Awaitable[str]],

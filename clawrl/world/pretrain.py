@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from clawrl.world.corpus import TEMPLATE_DIR, Message, iter_examples, render_chatml
 from clawrl.world.town import World
@@ -85,6 +85,26 @@ class ToolsConfig:
 
 
 TOOLS_BUILD = ToolsConfig()
+
+
+class TrainConfig(Protocol):
+    """What the training loop (`train_model`) reads of a build's config: BuildConfig,
+    ToolsConfig, and the SWE model's (clawrl/swemodel/build.py)."""
+
+    @property
+    def seed(self) -> int: ...
+    @property
+    def seq_len(self) -> int: ...
+    @property
+    def batch_size(self) -> int: ...
+    @property
+    def steps(self) -> int: ...
+    @property
+    def lr(self) -> float: ...
+    @property
+    def warmup(self) -> int: ...
+
+
 # Bump when the tool episodes, the tools or their template change meaning.
 TOOLS_VERSION = 1
 
@@ -145,7 +165,7 @@ def encode_rendered(tokenizer: Any, text: str,
     return list(enc.ids), mask
 
 
-def iter_batches(world: World, tokenizer: Any, config: BuildConfig | ToolsConfig,
+def iter_batches(world: World | None, tokenizer: Any, config: TrainConfig,
                  stats: dict[str, int],
                  rendered: Iterator[tuple[str, list[tuple[int, int]]]] | None = None,
                  ) -> Iterator[tuple[list[list[int]], list[list[int]]]]:
@@ -156,6 +176,7 @@ def iter_batches(world: World, tokenizer: Any, config: BuildConfig | ToolsConfig
     `rendered`: (text, loss spans) examples to pack instead of the corpus's.
     """
     if rendered is None:
+        assert world is not None, "the world's corpus, or `rendered` examples"
         rendered = (render_chatml(m) for _, m in iter_examples(world, config.seed))
     carry: list[tuple[list[int], list[int]]] = []
     while True:
@@ -208,7 +229,7 @@ def train_world_tokenizer(world: World, config: BuildConfig) -> Any:
     return train_tokenizer(texts, config.vocab_size)
 
 
-def lr_at(step: int, config: BuildConfig | ToolsConfig, time_progress: float = 0.0) -> float:
+def lr_at(step: int, config: TrainConfig, time_progress: float = 0.0) -> float:
     """Linear warmup, then cosine decay to 10% of the peak.
 
     Progress is the larger of step progress and time progress (elapsed / time cap), so a
@@ -236,7 +257,7 @@ def new_model(config: BuildConfig, tokenizer: Any) -> Any:
     return Qwen2ForCausalLM(model_cfg)
 
 
-def train_model(world: World, tokenizer: Any, config: BuildConfig | ToolsConfig,
+def train_model(world: World | None, tokenizer: Any, config: TrainConfig,
                 max_seconds: float | None, log: Callable[[str], None], model: Any = None,
                 rendered: Iterator[tuple[str, list[tuple[int, int]]]] | None = None,
                 ) -> tuple[Any, dict[str, Any]]:

@@ -93,6 +93,36 @@ async def test_replace_in_file_fixes_the_bug_too() -> None:
         await env.close()
 
 
+async def test_read_file_with_a_name_shows_one_definition_as_it_stands() -> None:
+    env = SweEnv(5)  # a stock task: a class with methods, module constants
+    await env.reset()
+    try:
+        module, source = env.task.module, env.task.files[env.task.module]
+        cls = source.split("class ", 1)[1].split(":", 1)[0]
+        method, qualified, const, whole, *bad = await results(
+            env, ("read_file", {"path": module, "name": "remove"}),
+            ("read_file", {"path": module, "name": f"{cls}.remove"}),
+            ("read_file", {"path": module, "name": "LOW_STOCK"}),
+            ("read_file", {"path": module, "name": ""}),
+            ("read_file", {"path": module, "name": "nothing"}),
+            ("read_file", {"path": "README.md", "name": "remove"}),
+            ("read_file", {"path": module, "name": 3}))
+        assert method == qualified and method.startswith("    def remove(self")
+        assert source.count(method) == 1 and method.endswith("\n")
+        assert "def " not in method.split("def remove", 1)[1]  # the next method is not shown
+        assert const.startswith("LOW_STOCK = ") and const.count("\n") == 1
+        assert whole == source
+        assert bad[0].startswith("error: no function, class or constant 'nothing' in")
+        assert "LOW_STOCK" in bad[0] and cls in bad[0]
+        assert bad[1] == "error: name only applies to Python files; read README.md without it"
+        assert bad[2] == "error: read_file takes a string argument 'name'"
+        await results(env, ("replace_in_file", {"path": module, "old": "class ", "new": "clas "}))
+        (broken,) = await results(env, ("read_file", {"path": module, "name": "remove"}))
+        assert broken.startswith(f"error: {module} does not parse (line ")
+    finally:
+        await env.close()
+
+
 async def test_bad_calls_are_clear_errors_and_change_nothing() -> None:
     env = SweEnv(5)
     await env.reset()

@@ -1,9 +1,11 @@
 """The SWE track's episode: fix the seeded bug of a generated project (clawrl/envs/swe/tasks.py)
 in a sandbox (clawrl/envs/sandbox.py, the terminal track's), through ordinary tool calls.
 
-Tools (`TOOLS`, OpenAI definitions): list_files, read_file(path), replace_in_file(path, old,
-new), apply_patch(diff), run_tests, run_linter, finish. Each call's result comes back as a
-`tool` message (the next state): a file's text, `error: …` for a bad call (a path out of the
+Tools (`TOOLS`, OpenAI definitions): list_files, read_file(path[, name]), replace_in_file(path,
+old, new), apply_patch(diff), run_tests, run_linter, finish. Each call's result comes back as a
+`tool` message (the next state): a file's text (or, with `name`, only that function, method,
+class or constant's lines: a small model's context holds one function, not a whole module),
+`error: …` for a bad call (a path out of the
 sandbox, text not found, a patch that does not apply), the visible tests' failures and counts
 (`3 passed, 1 failed`), the linter's problems. `finish` ends the episode; so does the step
 budget (`max_steps` replies), and so does a test run the sandbox had to stop (killed at its time
@@ -26,6 +28,7 @@ from typing import Any
 from clawrl.envs.calls import answer_calls, read_call, tool_def
 from clawrl.envs.protocol import EnvError, Message, Observation, Step
 from clawrl.envs.sandbox import Limits, RunResult, Sandbox
+from clawrl.envs.swe.excerpt import definition
 from clawrl.envs.swe.lint import lint_files
 from clawrl.envs.swe.patch import PatchError, apply_patch
 from clawrl.envs.swe.tasks import SPLITS, Task, draw_task
@@ -43,7 +46,10 @@ NUDGE = "No tool was called. Use the tools to find and fix the bug, then call fi
 
 TOOLS = [
     tool_def("list_files", "List the project's files and their sizes."),
-    tool_def("read_file", "Read a file of the project.", path="the file's path, e.g. README.md"),
+    tool_def("read_file", "Read a file of the project, or with name only one function, "
+             "method, class or constant of it.", optional=("name",),
+             path="the file's path, e.g. README.md",
+             name="optional: a function, method or constant, e.g. truncate or Store.add"),
     tool_def("replace_in_file", "Replace the one occurrence of old with new in a file.",
              path="the file's path", old="the exact text to replace (it must occur once)",
              new="the text to put in its place"),
@@ -112,7 +118,7 @@ class SweEnv:
             return call
         name, args = call
         try:
-            text: str = await getattr(self, f"_{name}")(*args.values())
+            text: str = await getattr(self, f"_{name}")(**args)
             return text
         except (ValueError, PatchError) as exc:  # a path out of the sandbox, a bad patch
             if name in ("replace_in_file", "apply_patch"):
@@ -145,11 +151,11 @@ class SweEnv:
         assert self.sandbox is not None
         return self.sandbox.read(path, FILE_LIMIT)
 
-    async def _read_file(self, path: str) -> str:
+    async def _read_file(self, path: str, name: str = "") -> str:
         text = self._read(path)
         if text is None:
             raise ValueError(f"no file named {path!r} (list_files shows the files)")
-        return text
+        return definition(text, path, name) if name else text
 
     async def _replace_in_file(self, path: str, old: str, new: str) -> str:
         assert self.sandbox is not None
