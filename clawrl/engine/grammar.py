@@ -210,6 +210,7 @@ class Grammars:
         self._tokenizer, self._vocab_size, self._stop_ids = tokenizer, vocab_size, stop_ids
         self._compiler: xgr.GrammarCompiler | None = None
         self._lock = threading.Lock()
+        self.never_utf8: torch.Tensor | None = None  # [V] bool, set with the compiler
 
     def compiler(self) -> xgr.GrammarCompiler:
         with self._lock:
@@ -217,6 +218,7 @@ class Grammars:
                 info = xgr.TokenizerInfo.from_huggingface(
                     self._tokenizer, vocab_size=self._vocab_size,
                     stop_token_ids=sorted(self._stop_ids))
+                self.never_utf8 = never_utf8(info.decoded_vocab, self._vocab_size)
                 self._compiler = xgr.GrammarCompiler(info)
             return self._compiler
 
@@ -236,12 +238,32 @@ class Grammars:
             raise invalid(kind, exc) from exc
 
 
-class Constraint:
-    """One sequence's grammar state, used on the scheduler thread only."""
+# Bytes no UTF-8 text contains: 0xC0 and 0xC1 lead only overlong encodings, 0xF5-0xFF
+# nothing. xgrammar reads an overlong pair as a character (a byte-level vocabulary has a token
+# per byte: the tiny world's model once wrote b"\xc0\xa5" inside a JSON string, which Python
+# decodes to two U+FFFD and which broke the schema's maxLength as the client counts it).
+_NEVER_IN_UTF8 = frozenset({0xC0, 0xC1, *range(0xF5, 0x100)})
 
-    def __init__(self, compiled: xgr.CompiledGrammar, vocab_size: int) -> None:
+
+def never_utf8(decoded_vocab: list[bytes], vocab_size: int) -> torch.Tensor:
+    """`[V]` bool: the tokens holding a byte that never occurs in UTF-8 text."""
+    out = torch.zeros(vocab_size, dtype=torch.bool)
+    for token, raw in enumerate(decoded_vocab[:vocab_size]):
+        if not _NEVER_IN_UTF8.isdisjoint(raw):
+            out[token] = True
+    return out
+
+
+class Constraint:
+    """One sequence's grammar state, used on the scheduler thread only. Besides what the
+    grammar refuses, it refuses tokens holding a byte UTF-8 never has (`never_utf8`): a
+    constrained reply is text a client parses."""
+
+    def __init__(self, compiled: xgr.CompiledGrammar, vocab_size: int,
+                 never: torch.Tensor | None = None) -> None:
         self.matcher = xgr.GrammarMatcher(compiled)
         self.vocab_size = vocab_size
+        self.never = never
         self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)  # [1, ceil(V / 32)] int32
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
@@ -250,6 +272,9 @@ class Constraint:
         out = logits.clone()
         xgr.apply_token_bitmask_inplace(out, self._bitmask[0].to(out.device),
                                         vocab_size=self.vocab_size)
+        if self.never is not None:
+            width = min(out.shape[-1], self.never.shape[0])
+            out[..., :width].masked_fill_(self.never[:width].to(out.device), float("-inf"))
         return out
 
     def accept(self, token: int) -> None:

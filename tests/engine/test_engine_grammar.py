@@ -235,3 +235,34 @@ def test_a_length_bounded_string_refuses_control_characters(tiny_model_dir: Path
     assert theirs[bell] and theirs[tab] and theirs[b]
     ours = allowed(grammars.compile(("json_schema", schema)))
     assert not ours[bell] and not ours[tab] and ours[b]
+
+
+def test_a_string_refuses_bytes_utf8_never_has(tiny_model_dir: Path) -> None:
+    """xgrammar reads an overlong pair (0xC0 0xA5) as a character inside a JSON string; the
+    client decodes it to two U+FFFD and counts one character more than `maxLength` allowed
+    (seen once in 400 samples of the tiny model). The engine refuses tokens holding a byte
+    UTF-8 never has, whatever the grammar allows."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from clawrl.engine.grammar import Constraint, Grammars
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    grammars = Grammars(tokenizer, 768, {2})
+    schema = json.dumps({"type": "object", "required": ["p"],
+                         "properties": {"p": {"type": "string", "maxLength": 12}}})
+    compiled = grammars.compile(("json_schema", schema))
+    overlong, continuation, b = tokenizer.convert_tokens_to_ids(["À", "¥", "b"])  # 0xC0, 0xA5
+    assert grammars.never_utf8 is not None
+    assert bool(grammars.never_utf8[overlong]) and not grammars.never_utf8[b]
+
+    def allowed(never: torch.Tensor | None) -> torch.Tensor:
+        constraint = Constraint(compiled, 768, never)
+        for token in tokenizer.encode('{"p": "a', add_special_tokens=False):
+            constraint.accept(token)
+        return constraint.mask(torch.zeros(768)) > float("-inf")
+
+    assert allowed(None)[overlong]  # xgrammar alone lets it in
+    ours = allowed(grammars.never_utf8)
+    assert not ours[overlong] and ours[b]
+    assert not ours[continuation]  # not where a character begins, as before
