@@ -8,6 +8,8 @@ import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from clawrl.envs.protocol import Step
+
 # JSON Schema type -> the Python types a parsed argument may have (bool is no integer here).
 TYPES: dict[str, tuple[type, ...]] = {"string": (str,), "integer": (int,),
                                       "number": (int, float)}
@@ -71,3 +73,14 @@ async def answer_calls(reply: dict[str, Any], call: Callable[[dict[str, Any]], A
     if not calls:
         out.append({"role": "user", "content": nudge})
     return out
+
+
+async def tool_step(env: Any, reply: dict[str, Any], nudge: str) -> Step:
+    """One step of an environment whose actions are tool calls (SWE, GUI): its calls
+    answered by `env._call`, the episode over once a call ended it (`env.ended_by`) or at
+    `env.max_steps`."""
+    env.steps += 1
+    out = await answer_calls(reply, env._call, lambda: bool(env.ended_by), nudge)
+    if not env.ended_by and env.steps >= env.max_steps:
+        env.ended_by = "steps"
+    return Step(out, done=bool(env.ended_by))

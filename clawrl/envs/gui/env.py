@@ -20,7 +20,7 @@ import os
 import uuid
 from typing import Any
 
-from clawrl.envs.calls import answer_calls, read_call, tool_def
+from clawrl.envs.calls import read_call, tool_def, tool_step
 from clawrl.envs.gui.apps import goal_met
 from clawrl.envs.gui.browser import VIEWPORT, BrowserHost, Tab, browser_host
 from clawrl.envs.gui.server import app_server
@@ -111,11 +111,7 @@ class GuiEnv:
 
     async def step(self, reply: Message) -> Step:
         assert self.tab is not None, "reset() first"
-        self.steps += 1
-        out = await answer_calls(reply, self._call, lambda: bool(self.ended_by), NUDGE)
-        if not self.ended_by and self.steps >= self.max_steps:
-            self.ended_by = "steps"
-        return Step(out, done=bool(self.ended_by))
+        return await tool_step(self, reply, NUDGE)
 
     async def _call(self, function: dict[str, Any]) -> str:
         call = read_call(function, TOOLS)

@@ -25,7 +25,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from clawrl.envs.calls import answer_calls, read_call, tool_def
+from clawrl.envs.calls import read_call, tool_def, tool_step
 from clawrl.envs.protocol import EnvError, Message, Observation, Step
 from clawrl.envs.sandbox import Limits, RunResult, Sandbox
 from clawrl.envs.swe.excerpt import definition
@@ -104,11 +104,7 @@ class SweEnv:
 
     async def step(self, reply: Message) -> Step:
         assert self.sandbox is not None, "reset() first"
-        self.steps += 1
-        out = await answer_calls(reply, self._call, lambda: bool(self.ended_by), NUDGE)
-        if not self.ended_by and self.steps >= self.max_steps:
-            self.ended_by = "steps"
-        return Step(out, done=bool(self.ended_by))
+        return await tool_step(self, reply, NUDGE)
 
     async def _call(self, function: dict[str, Any]) -> str:
         if function.get("name") in TOOL_NAMES:  # counted even when its arguments are bad
