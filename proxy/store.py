@@ -177,7 +177,7 @@ class TurnWriter:
         the turn it continues now (the module's docstring)."""
         if (not self.early_next_state or self._stopping or record.kind != "main"
                 or record.train_opt_out or len(self._early) >= EARLY_MAX
-                or self.journal.pending or record.uid in self._early):
+                or self.journal.pending):
             return
         task = self._early[record.uid] = asyncio.create_task(self._attach(record),
                                                              name="turn-writer-attach")

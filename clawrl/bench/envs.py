@@ -33,7 +33,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import resource
 import shutil
 import sys
@@ -50,7 +49,7 @@ from clawrl.base.db import libpq_url
 from clawrl.base.dbcli import upgrade
 from clawrl.bench.levels import run_level
 from clawrl.bench.procs import BenchProcs
-from clawrl.bench.proxy import bench_database, make_key, pct
+from clawrl.bench.proxy import bench_database, machine_line, make_key, pct
 from clawrl.envs.pool import PoolConfig, PoolResult, run_pool
 from proxy.auth import VERIFIER
 
@@ -152,9 +151,7 @@ def print_rows(rows: list[dict[str, Any]]) -> None:
     for r in rows:
         print(f"{r['concurrency']} at a time: {r['steps']} steps -> {r['turns_in_db']} turns in "
               f"Postgres, {r['sessions']} sessions, {r['outcomes_in_db']} with their outcome")
-    load = os.getloadavg()
-    print(f"machine: {os.cpu_count()} CPUs, load average {load[0]:.1f} / {load[1]:.1f} / "
-          f"{load[2]:.1f} (1/5/15 min) at the end")
+    print(machine_line())
 
 
 SWE_SCRIPT = ("run_tests", "read_file", "apply_patch", "run_tests", "run_linter", "finish")
@@ -241,9 +238,7 @@ def print_swe_rows(rows: list[dict[str, Any]]) -> None:
         left = r["left_behind"]
         print(f"{r['concurrency']} at a time: left behind {left['processes']} processes, "
               f"{left['folders']} folders, {left['mounts']} mounts")
-    load = os.getloadavg()
-    print(f"machine: {os.cpu_count()} CPUs, load average {load[0]:.1f} / {load[1]:.1f} / "
-          f"{load[2]:.1f} (1/5/15 min) at the end")
+    print(machine_line())
 
 
 def main_swe(args: argparse.Namespace) -> int:

@@ -15,7 +15,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import sys
 import time
 from functools import partial
@@ -24,7 +23,7 @@ from typing import Any
 import psutil
 
 from clawrl.bench.levels import run_level
-from clawrl.bench.proxy import pct
+from clawrl.bench.proxy import machine_line, pct
 
 
 def _family() -> list[psutil.Process]:
@@ -141,9 +140,7 @@ def print_gui(figures: dict[str, Any]) -> None:
                  "episode" if m["live"] else "")
         print(f"{m['live']:>3} episodes open: browsers {m['pss_mib']:.0f} MiB PSS, "
               f"{m['rss_mib']:.0f} MiB RSS, {m['processes']} processes{extra}")
-    load = os.getloadavg()
-    print(f"machine: {os.cpu_count()} CPUs, load average {load[0]:.1f} / {load[1]:.1f} / "
-          f"{load[2]:.1f} (1/5/15 min) at the end")
+    print(machine_line())
 
 
 def main_gui(args: argparse.Namespace) -> int:

@@ -103,6 +103,13 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
+def machine_line(extra: str = "") -> str:
+    """The closing line of a benchmark's report: the machine's CPUs and its load now."""
+    load = os.getloadavg()
+    return (f"machine: {os.cpu_count()} CPUs, load average {load[0]:.1f} / {load[1]:.1f} / "
+            f"{load[2]:.1f} (1/5/15 min) at the end{extra}")
+
+
 async def one_request(conn: Connection, stream: bool, path: str) -> Sample:
     body: dict[str, Any] = {"model": "bench", "max_tokens": 256, "stream": stream,
                             "messages": [{"role": "user", "content": f"bench {uuid.uuid4()}"}]}
@@ -349,9 +356,7 @@ def measure(args: argparse.Namespace, db_url: str, key: str, up_port: int, proxy
     lost = 0 if args.no_logging else max(0, served - rows_in_db)
     print(f"durability {args.durability}; proxy peak RSS {peak / 2**20:.0f} MB; responses "
           f"served {served}, rows in Postgres {rows_in_db}, turns lost {lost}")
-    load = os.getloadavg()
-    print(f"machine: {os.cpu_count()} CPUs, load average {load[0]:.1f} / {load[1]:.1f} / "
-          f"{load[2]:.1f} (1/5/15 min) at the end; bench processes at nice {-args.priority}")
+    print(machine_line(f"; bench processes at nice {-args.priority}"))
     return {"rows": [asdict(r) | {"overhead_p50": r.overhead_p50,
                                   "overhead_p99": r.overhead_p99} for r in rows],
             "rss_mb": peak / 2**20, "served": served, "rows_in_db": rows_in_db, "lost": lost,
