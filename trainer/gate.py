@@ -28,6 +28,7 @@ goes back to that version's weights with a smaller learning rate (trainer/train.
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -54,6 +55,16 @@ class ProbeItem:
         in "minutes", "egg" not in "leggings")."""
         text = reply.lower()
         return any(re.search(rf"(?<![\w]){re.escape(w.lower())}", text) for w in self.topic)
+
+    def settled(self, reply: str) -> bool:
+        """The verdict on `reply` can no longer change however the reply goes on: a fact
+        answered right with a character after the answer (an answer at the very end might
+        still grow into a longer word: "Rome" → "Romeo"), an open question on topic. A trailing
+        U+FFFD is a character still being decoded, so it is left out."""
+        text = reply.rstrip("\ufffd")
+        if self.answers:
+            return is_right(text + "_", self.answers)  # "_" is a word character
+        return self.on_topic(text)
 
 
 # An open question's reply is long enough to drift: about a paragraph.
@@ -133,31 +144,103 @@ def is_right(reply: str, answers: tuple[str, ...]) -> bool:
     return any(re.search(rf"(?<![\w.]){re.escape(a.lower())}(?![\w])", text) for a in answers)
 
 
+def eos_ids(model: Any, tokenizer: Any) -> set[int]:
+    """The tokens that end a reply: the tokenizer's and the generation config's."""
+    ids: set[int] = set()
+    for value in (tokenizer.eos_token_id,
+                  getattr(getattr(model, "generation_config", None), "eos_token_id", None)):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    return ids
+
+
 @torch.no_grad()
 def answer_all(model: Any, tokenizer: Any, items: list[ProbeItem],
-               max_new_tokens: int = FACT_TOKENS) -> list[str]:
-    """Each question asked greedily as a one-message chat, all in one left-padded batch
-    (one generate call: a probe costs about one reply's time, not one per question)."""
+               settle: bool = True) -> list[str]:
+    """Each question asked greedily as a one-message chat, all in one batch that decodes step
+    by step with the model's KV cache (the opening every prompt shares is computed once); a
+    fact gets `FACT_TOKENS`, an open question `OPEN_TOKENS`.
+
+    `settle`: a row leaves the batch as soon as its verdict can no longer change — a fact once
+    an accepted answer stands whole in the reply, an open question once a topic word has
+    begun a word (`ProbeItem.settled`). Both verdicts only ever turn from no to yes as a reply
+    grows, so each is the one the full reply gets; the probe costs what its undecided rows
+    cost. A base model answers most questions in its first dozen tokens: the batch thins
+    fast. False: every row to its end or its limit (`clawrl bench trainer --phases gate`
+    times both)."""
     if not items:
         return []
+    was_training = model.training
+    model.eval()
+    try:
+        return greedy_replies(model, tokenizer, items, settle)
+    finally:
+        model.train(was_training)
+
+
+def greedy_replies(model: Any, tokenizer: Any, items: list[ProbeItem],
+                   settle: bool) -> list[str]:
+    """answer_all's decoding, the model already in eval mode."""
+    from transformers import DynamicCache
+
     texts = [str(tokenizer.apply_chat_template([{"role": "user", "content": item.question}],
                                                add_generation_prompt=True, tokenize=False))
              for item in items]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None \
         else tokenizer.eos_token_id
     encoded = [tokenizer.encode(text, add_special_tokens=False) for text in texts]
-    width = max(len(ids) for ids in encoded)
-    input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in encoded])
-    attention = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in encoded])
-    was_training = model.training
-    model.eval()
-    try:
-        out = model.generate(input_ids=input_ids.to(model.device),
-                             attention_mask=attention.to(model.device),
-                             max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
-    finally:
-        model.train(was_training)
-    return [tokenizer.decode(row[width:], skip_special_tokens=True) for row in out]
+    device = model.device
+    # What every prompt opens with (the chat template's system turn: 24 of SmolLM2's ~40
+    # tokens) is computed once and its cache shared by every row; each row then reads its own
+    # rest, left-padded against the shared part.
+    shared = min(len(os.path.commonprefix(encoded)), min(map(len, encoded)) - 1)
+    cache = DynamicCache()
+    if shared:
+        model(input_ids=torch.tensor([encoded[0][:shared]], device=device), cache=cache,
+              use_cache=True, logits_to_keep=1)
+        cache.batch_repeat_interleave(len(items))
+    rests = [ids[shared:] for ids in encoded]
+    width = max(len(ids) for ids in rests)
+    input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in rests],
+                             device=device)
+    own = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in rests],
+                       device=device)
+    mask = torch.cat([own.new_ones((len(items), shared)), own], dim=1)
+    positions = shared + (own.cumsum(-1) - 1).clamp(min=0)
+    limits = [FACT_TOKENS if item.answers else OPEN_TOKENS for item in items]
+    stops = eos_ids(model, tokenizer)
+    replies: list[list[int]] = [[] for _ in items]
+    live = list(range(len(items)))  # the original index of each row of the batch
+    logits = model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
+                   cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+    position = positions[:, -1]
+    while True:
+        chosen = logits.argmax(-1)
+        keep = []
+        for row, i in enumerate(live):
+            token = int(chosen[row])
+            if token in stops:
+                continue
+            replies[i].append(token)
+            if len(replies[i]) >= limits[i] or (settle and items[i].settled(
+                    tokenizer.decode(replies[i], skip_special_tokens=True))):
+                continue
+            keep.append(row)
+        if not keep:
+            break
+        if len(keep) < len(live):
+            rows = torch.tensor(keep, device=device)
+            cache.batch_select_indices(rows)
+            mask, position, chosen = mask[rows], position[rows], chosen[rows]
+            live = [live[row] for row in keep]
+        mask = torch.cat([mask, mask.new_ones((len(live), 1))], dim=1)
+        position = position + 1
+        logits = model(input_ids=chosen[:, None], attention_mask=mask,
+                       position_ids=position[:, None], cache=cache, logits_to_keep=1,
+                       use_cache=True).logits[:, -1]
+    return [tokenizer.decode(ids, skip_special_tokens=True) for ids in replies]
 
 
 def fraction(marks: list[bool]) -> float | None:
@@ -176,10 +259,8 @@ class Gate:
 
     def _marks(self, model: Any) -> tuple[list[bool], list[bool]]:
         """(right, on topic): each fact answered right, each open question on topic — one
-        batch, as long as the longest kind needs (a fact read over more tokens is read the
-        same way for the base and every version)."""
-        replies = answer_all(model, self.tokenizer, self.facts + self.open,
-                             OPEN_TOKENS if self.open else FACT_TOKENS)
+        batch, each row as long as its kind needs or until its verdict is settled."""
+        replies = answer_all(model, self.tokenizer, self.facts + self.open)
         facts, opens = replies[:len(self.facts)], replies[len(self.facts):]
         return ([is_right(r, item.answers) for r, item in zip(facts, self.facts, strict=True)],
                 [item.on_topic(r) for r, item in zip(opens, self.open, strict=True)])

@@ -2,7 +2,7 @@
 the real model's training step.
 
     clawrl bench trainer [--model DIR] [--rounds 7] [--batch 16] [--seq 256] [--no-big]
-                         [--phases throughput,swap,step] [--step-model DIR]
+                         [--phases throughput,swap,step,gate] [--step-model DIR]
                          [--prompt-tokens 200] [--reply-tokens 128] [--step-rounds 3]
                          [--no-full]
 
@@ -33,6 +33,14 @@ the real model's training step.
    reference forward 2, backward 2 for the activations' gradients and, full weights only, 2
    for the weights'; attention scores and values added): the tokens/s the step would reach
    if it were all matmul at that rate, and the fraction reached.
+
+5. `--phases gate` (not run by default): the gate before serving (trainer/gate.py) on the
+   same model, its shipped probe (`gate-probe.jsonl`: facts and open questions), asked the
+   way the trainer asks it — rows leave the batch as their verdict settles — against every
+   row decoded to its kind's token limit, and against transformers' own `generate` (every
+   row to the open questions' limit, as the gate asked before), interleaved round by round.
+   Reported: seconds per probe each way (median), the ratios, the tokens decoded per
+   question, and whether every way gave every question the same verdict.
 
 Figures are medians over rounds, measured side by side in one run.
 """
@@ -399,7 +407,7 @@ def bench_swap(model_dir: Path, work: Path, rounds: int, threads: int) -> dict[s
             "swap_pause_max_ms": 1e3 * max(pause_s)}
 
 
-PHASES = ("throughput", "swap", "step")
+PHASES = ("throughput", "swap", "step", "gate")
 PROG = "clawrl bench trainer"
 
 
@@ -415,10 +423,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--phases", default="throughput,swap",
                    help=f"which of {','.join(PHASES)} to run (default throughput,swap)")
     p.add_argument("--step-model", type=Path,
-                   help="the step phase's model (default: SmolLM2-135M, pulled once)")
+                   help="the step and gate phases' model (default: SmolLM2-135M, pulled "
+                        "once)")
     p.add_argument("--prompt-tokens", type=int, default=200)
     p.add_argument("--reply-tokens", type=int, default=128)
-    p.add_argument("--step-rounds", type=int, default=3)
+    p.add_argument("--step-rounds", type=int, default=3, help="rounds of the step and gate "
+                   "phases")
     p.add_argument("--no-full", action="store_true", help="step phase: skip full weights")
     args = p.parse_args(argv)
     for name in ("rounds", "batch", "seq", "micro", "threads", "prompt_tokens",
@@ -447,6 +457,8 @@ def main(argv: list[str] | None = None) -> int:
             ok = bench_tiny(args, work)
         if "step" in args.phases:
             print_step(args)
+        if "gate" in args.phases:
+            ok = print_gate(args) and ok
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return 0 if ok else 1
@@ -485,13 +497,88 @@ def bench_tiny(args: argparse.Namespace, work: Path) -> bool:
     return ok
 
 
-def print_step(args: argparse.Namespace) -> None:
-    model = args.step_model
-    if model is None:
-        from clawrl.bench.engine import CACHE_DIR
-        from clawrl.engine.pretrained import pull_model
+def real_model(args: argparse.Namespace) -> Path:
+    if args.step_model is not None:
+        return Path(args.step_model)
+    from clawrl.bench.engine import CACHE_DIR
+    from clawrl.engine.pretrained import pull_model
 
-        model = pull_model("smollm2-135m", CACHE_DIR)
+    return pull_model("smollm2-135m", CACHE_DIR)
+
+
+def print_gate(args: argparse.Namespace) -> bool:
+    """The gate's probe settled as the trainer asks it, against every reply decoded whole."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from trainer.gate import answer_all, is_right, load_probe
+
+    model_dir = real_model(args)
+    probe_path = model_dir / "gate-probe.jsonl"
+    if not probe_path.is_file():
+        print(f"gate: {model_dir} has no gate-probe.jsonl (`clawrl models pull` writes one)")
+        return False
+    items = load_probe(probe_path)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir))
+    print(f"gate: {model_dir}  threads {args.threads}  {len(items)} questions "
+          f"({sum(bool(i.answers) for i in items)} facts)  medians of {args.step_rounds}",
+          flush=True)
+    ways = {"settled": lambda: answer_all(model, tokenizer, items),
+            "whole": lambda: answer_all(model, tokenizer, items, settle=False),
+            "generate": lambda: hf_generate(model, tokenizer, [i.question for i in items])}
+    seconds: dict[str, list[float]] = {name: [] for name in ways}
+    replies: dict[str, list[str]] = {}
+    for r in range(args.step_rounds):
+        for name in (list(ways) if r % 2 == 0 else list(reversed(ways))):
+            t0 = time.perf_counter()
+            replies[name] = ways[name]()
+            seconds[name].append(time.perf_counter() - t0)
+
+    def verdicts(texts: list[str]) -> list[bool]:
+        return [is_right(t, i.answers) if i.answers else i.on_topic(t)
+                for i, t in zip(items, texts, strict=True)]
+
+    def tokens(texts: list[str]) -> float:
+        return statistics.mean(len(tokenizer.encode(t, add_special_tokens=False))
+                               for t in texts)
+
+    same = verdicts(replies["settled"]) == verdicts(replies["whole"])
+    agree = sum(a == b for a, b in zip(verdicts(replies["settled"]),
+                                       verdicts(replies["generate"]), strict=True))
+    t = {name: statistics.median(seconds[name]) for name in ways}
+    print(f"gate: settled {t['settled']:.1f} s per probe ({tokens(replies['settled']):.1f} "
+          f"tokens per question)  whole replies {t['whole']:.1f} s "
+          f"({tokens(replies['whole']):.1f} tokens)  transformers generate "
+          f"{t['generate']:.1f} s ({tokens(replies['generate']):.1f} tokens)", flush=True)
+    print(f"gate: settled / whole {t['settled'] / t['whole']:.2f}  settled / generate "
+          f"{t['settled'] / t['generate']:.2f}  same verdicts as whole: "
+          f"{'yes' if same else 'NO'}  as generate: {agree} of {len(items)}", flush=True)
+    return same
+
+
+@torch.no_grad()
+def hf_generate(model: Any, tokenizer: Any, questions: list[str]) -> list[str]:
+    """The anchor: transformers' `generate`, greedy, one left-padded batch, every row to
+    OPEN_TOKENS (or its end) — how the gate asked its probe before it settled rows."""
+    from trainer.gate import OPEN_TOKENS
+
+    texts = [str(tokenizer.apply_chat_template([{"role": "user", "content": q}],
+                                               add_generation_prompt=True, tokenize=False))
+             for q in questions]
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None \
+        else tokenizer.eos_token_id
+    encoded = [tokenizer.encode(text, add_special_tokens=False) for text in texts]
+    width = max(map(len, encoded))
+    ids = torch.tensor([[pad] * (width - len(e)) + e for e in encoded])
+    mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in encoded])
+    model.eval()
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=OPEN_TOKENS,
+                         do_sample=False, pad_token_id=pad)
+    return [tokenizer.decode(row[width:], skip_special_tokens=True) for row in out]
+
+
+def print_step(args: argparse.Namespace) -> None:
+    model = real_model(args)
     recipe = {k: v for k, v in model_recipe(model).items() if k != "gate_probe"}
     print(f"step: {model}  threads {args.threads}  batch {args.batch} samples of ~"
           f"{args.prompt_tokens}+{args.reply_tokens} tokens  micro {args.micro}  medians of "

@@ -1,6 +1,7 @@
 """`clawrl bench trainer --phases step`: the real training step runs end to end with the
 settings the trainer would use (the model's recipe), on samples of the lengths asked for;
-bad arguments are one line. Figures are only printed, never asserted."""
+bad arguments are one line. The gate phase times its probe both ways. Figures are only printed, never
+asserted."""
 
 from __future__ import annotations
 
@@ -60,9 +61,28 @@ def test_step_phase_prints_every_figure(recipe_model: Path,
     assert "throughput:" not in out and "swap [" not in out  # other phases not asked for
 
 
+def test_gate_phase_times_the_probe_both_ways(recipe_model: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    (recipe_model / "gate-probe.jsonl").write_text(
+        json.dumps({"question": "What is the capital of Italy?", "answers": ["Rome"]}) + "\n"
+        + json.dumps({"question": "How do I boil an egg?", "topic": ["egg", "water"]}) + "\n")
+    assert main(["--phases", "gate", "--step-model", str(recipe_model),
+                 "--step-rounds", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "2 questions (1 facts)  medians of 2" in out
+    assert re.search(r"gate: settled [\d.]+ s per probe \([\d.]+ tokens per question\)  "
+                     r"whole replies [\d.]+ s \([\d.]+ tokens\)  transformers generate "
+                     r"[\d.]+ s \([\d.]+ tokens\)", out), out
+    assert re.search(r"gate: settled / whole [\d.]+  settled / generate [\d.]+  same "
+                     r"verdicts as whole: yes  as generate: [012] of 2", out), out
+    (recipe_model / "gate-probe.jsonl").unlink()
+    assert main(["--phases", "gate", "--step-model", str(recipe_model)]) == 1
+    assert "has no gate-probe.jsonl" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(("args", "message"), [
-    (["--phases", "step,nope"], "--phases takes throughput, swap, step separated by commas"),
-    (["--phases", ","], "--phases takes throughput, swap, step separated by commas"),
+    (["--phases", "step,nope"], "--phases takes throughput, swap, step, gate separated by commas"),
+    (["--phases", ","], "--phases takes throughput, swap, step, gate separated by commas"),
     (["--step-rounds", "0"], "--step-rounds must be at least 1"),
     (["--reply-tokens", "0"], "--reply-tokens must be at least 1"),
     (["--seq", "1"], "--seq must be at least 2"),

@@ -25,7 +25,7 @@ from sqlalchemy.engine import Engine
 from clawrl.base.db import PolicyVersion
 from clawrl.world.town import World, wrong_world
 from trainer.config import Settings, TrainerSettings
-from trainer.gate import Gate, GateResult, ProbeError, is_right, load_probe
+from trainer.gate import Gate, GateResult, ProbeError, ProbeItem, is_right, load_probe
 from trainer.train import train
 
 SampleFactory = Callable[..., int]
@@ -206,3 +206,14 @@ def test_a_version_that_forgot_is_rejected_and_the_trainer_backs_off(
     assert newer > version and rows[newer][0] == "published"
     assert rows[newer][1]["gate"]["passed"] is True
     assert httpx.get(url + "/model_info").json()["weight_version"] == str(newer)
+
+
+def test_a_verdict_is_settled_only_once_the_reply_cannot_undo_it() -> None:
+    fact = ProbeItem("What is the capital of Italy?", answers=("Rome",))
+    assert not fact.settled("The capital of Italy is Rome")  # might go on to "Romeo"
+    assert fact.settled("The capital of Italy is Rome.") and fact.settled("Rome is")
+    assert not fact.settled("It is Romeo") and not fact.settled("It is not known")
+    open_ = ProbeItem("How do I unclog a sink?", topic=("drain", "plunger"))
+    assert open_.settled("Pour hot water down the drai\ufffd") is False
+    assert open_.settled("Use a plung") is False and open_.settled("Use a plunger")
+    assert open_.settled("Pour it down the drain")  # "drain" begins a word: on topic already

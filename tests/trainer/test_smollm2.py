@@ -520,3 +520,30 @@ def test_the_gate_sees_replies_leave_the_question(smollm2_dir: Path) -> None:
     shaken = gate.check(model)
     assert not shaken.passed and shaken.topic_candidate is not None
     assert shaken.topic_candidate <= 0.5 and shaken.newly_off_topic, shaken
+
+
+def test_the_gate_settles_each_verdict_as_the_full_reply_would(smollm2_dir: Path) -> None:
+    """Rows leave the gate's batch as soon as their verdict is settled; what each question
+    is judged is what its whole reply is judged, and the settled replies are prefixes of the
+    whole ones (the same greedy tokens, fewer of them)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from trainer.gate import answer_all, is_right, load_probe
+
+    torch.set_num_threads(1)
+    probe = load_probe(smollm2_dir / "gate-probe.jsonl")
+    items = [p for p in probe if p.answers][:8] + [p for p in probe if p.topic][:8]
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir)
+    whole = answer_all(model, tokenizer, items, settle=False)
+    short = answer_all(model, tokenizer, items)
+
+    def verdict(item: Any, reply: str) -> bool:
+        return is_right(reply, item.answers) if item.answers else item.on_topic(reply)
+
+    assert [verdict(i, r) for i, r in zip(items, whole, strict=True)] == \
+        [verdict(i, r) for i, r in zip(items, short, strict=True)]
+    assert all(w.startswith(s) for w, s in zip(whole, short, strict=True)), (whole, short)
+    assert sum(map(len, short)) < 0.7 * sum(map(len, whole))  # most settle early
+    assert sum(verdict(i, r) for i, r in zip(items, short, strict=True)) >= 10
