@@ -210,7 +210,7 @@ class Grammars:
         self._tokenizer, self._vocab_size, self._stop_ids = tokenizer, vocab_size, stop_ids
         self._compiler: xgr.GrammarCompiler | None = None
         self._lock = threading.Lock()
-        self.never_utf8: torch.Tensor | None = None  # [V] bool, set with the compiler
+        self.utf8: Utf8 | None = None  # set with the compiler
 
     def compiler(self) -> xgr.GrammarCompiler:
         with self._lock:
@@ -218,7 +218,7 @@ class Grammars:
                 info = xgr.TokenizerInfo.from_huggingface(
                     self._tokenizer, vocab_size=self._vocab_size,
                     stop_token_ids=sorted(self._stop_ids))
-                self.never_utf8 = never_utf8(info.decoded_vocab, self._vocab_size)
+                self.utf8 = Utf8(info.decoded_vocab, self._vocab_size)
                 self._compiler = xgr.GrammarCompiler(info)
             return self._compiler
 
@@ -238,32 +238,97 @@ class Grammars:
             raise invalid(kind, exc) from exc
 
 
-# Bytes no UTF-8 text contains: 0xC0 and 0xC1 lead only overlong encodings, 0xF5-0xFF
-# nothing. xgrammar reads an overlong pair as a character (a byte-level vocabulary has a token
-# per byte: the tiny world's model once wrote b"\xc0\xa5" inside a JSON string, which Python
-# decodes to two U+FFFD and which broke the schema's maxLength as the client counts it).
-_NEVER_IN_UTF8 = frozenset({0xC0, 0xC1, *range(0xF5, 0x100)})
+# UTF-8 as a byte automaton (RFC 3629's table of well-formed sequences). A state is what the
+# next byte must be and how many continuation bytes are still due: (lo, hi, due); START is
+# between characters. xgrammar reads some ill-formed sequences as characters inside a JSON
+# string (the tiny world's model once wrote the overlong pair b"\xc0\xa5", which Python decodes
+# to two U+FFFD and which broke the schema's maxLength as the client counts it); the byte state
+# refuses every one of them: overlong forms (C0, C1, E0 80-9F, F0 80-8F), surrogates
+# (ED A0-BF), code points past U+10FFFF (F4 90+, F5-FF), stray continuation bytes, and a
+# character left unfinished where the grammar moves on.
+Utf8State = tuple[int, int, int]
+START: Utf8State = (0, 0, 0)
+_CONT: tuple[int, int] = (0x80, 0xBF)
 
 
-def never_utf8(decoded_vocab: list[bytes], vocab_size: int) -> torch.Tensor:
-    """`[V]` bool: the tokens holding a byte that never occurs in UTF-8 text."""
-    out = torch.zeros(vocab_size, dtype=torch.bool)
-    for token, raw in enumerate(decoded_vocab[:vocab_size]):
-        if not _NEVER_IN_UTF8.isdisjoint(raw):
-            out[token] = True
-    return out
+def _lead(byte: int) -> Utf8State | None:
+    if byte < 0x80:
+        return START
+    if 0xC2 <= byte <= 0xDF:
+        return (*_CONT, 1)
+    if byte == 0xE0:
+        return (0xA0, 0xBF, 2)
+    if byte == 0xED:
+        return (0x80, 0x9F, 2)
+    if 0xE1 <= byte <= 0xEF:
+        return (*_CONT, 2)
+    if byte == 0xF0:
+        return (0x90, 0xBF, 3)
+    if 0xF1 <= byte <= 0xF3:
+        return (*_CONT, 3)
+    if byte == 0xF4:
+        return (0x80, 0x8F, 3)
+    return None  # a continuation byte where a character begins, or C0, C1, F5-FF
+
+
+def utf8_after(state: Utf8State | None, raw: bytes) -> Utf8State | None:
+    """The state after `raw` from `state`; None once the bytes are not well-formed UTF-8."""
+    for byte in raw:
+        if state is None:
+            return None
+        lo, hi, due = state
+        if due == 0:
+            state = _lead(byte)
+        elif lo <= byte <= hi:
+            state = START if due == 1 else (*_CONT, due - 1)
+        else:
+            return None
+    return state
+
+
+class Utf8:
+    """Which tokens keep a reply well-formed UTF-8 from each byte state: START's mask made
+    with the compiler, the others (a character split across tokens) when first needed."""
+
+    def __init__(self, decoded_vocab: list[bytes], vocab_size: int) -> None:
+        self._vocab = decoded_vocab[:vocab_size]
+        self._size = vocab_size
+        self._by_first: dict[int, list[int]] = {}  # first byte -> tokens; -1: no bytes
+        for token, raw in enumerate(self._vocab):
+            self._by_first.setdefault(raw[0] if raw else -1, []).append(token)
+        self._refused: dict[Utf8State, torch.Tensor] = {}
+        self.refused(START)
+
+    def refused(self, state: Utf8State) -> torch.Tensor:
+        """`[V]` bool: the tokens that would make the text ill-formed from `state`."""
+        if state not in self._refused:
+            lo, hi, due = state
+            # Mid-character only tokens that open with a due byte can follow (and those with
+            # no bytes): a few hundred to read, not the vocabulary.
+            firsts = range(-1, 256) if due == 0 else [-1, *range(lo, hi + 1)]
+            out = torch.ones(self._size, dtype=torch.bool)
+            for first in firsts:
+                for token in self._by_first.get(first, ()):
+                    out[token] = utf8_after(state, self._vocab[token]) is None
+            self._refused[state] = out
+        return self._refused[state]
+
+    def after(self, state: Utf8State, token: int) -> Utf8State:
+        raw = self._vocab[token] if token < len(self._vocab) else b""
+        following = utf8_after(state, raw)
+        return START if following is None else following  # (masked: cannot happen)
 
 
 class Constraint:
     """One sequence's grammar state, used on the scheduler thread only. Besides what the
-    grammar refuses, it refuses tokens holding a byte UTF-8 never has (`never_utf8`): a
+    grammar refuses, it refuses tokens that would make the reply ill-formed UTF-8 (`Utf8`): a
     constrained reply is text a client parses."""
 
     def __init__(self, compiled: xgr.CompiledGrammar, vocab_size: int,
-                 never: torch.Tensor | None = None) -> None:
+                 utf8: Utf8 | None = None) -> None:
         self.matcher = xgr.GrammarMatcher(compiled)
         self.vocab_size = vocab_size
-        self.never = never
+        self.utf8, self.utf8_state = utf8, START
         self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)  # [1, ceil(V / 32)] int32
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
@@ -272,11 +337,14 @@ class Constraint:
         out = logits.clone()
         xgr.apply_token_bitmask_inplace(out, self._bitmask[0].to(out.device),
                                         vocab_size=self.vocab_size)
-        if self.never is not None:
-            width = min(out.shape[-1], self.never.shape[0])
-            out[..., :width].masked_fill_(self.never[:width].to(out.device), float("-inf"))
+        if self.utf8 is not None:
+            refused = self.utf8.refused(self.utf8_state)
+            width = min(out.shape[-1], refused.shape[0])
+            out[..., :width].masked_fill_(refused[:width].to(out.device), float("-inf"))
         return out
 
     def accept(self, token: int) -> None:
         if not self.matcher.accept_token(token):  # cannot happen after `mask`: a bug if it does
             raise RuntimeError(f"the grammar refused token {token} it allowed")
+        if self.utf8 is not None:
+            self.utf8_state = self.utf8.after(self.utf8_state, token)

@@ -242,7 +242,7 @@ class Engine:
         takes a while) and give it its matcher; EngineError (400) when the grammar is invalid."""
         if seq.params.grammar is not None:
             compiled = await asyncio.to_thread(self.grammars.compile, seq.params.grammar)
-            seq.constraint = Constraint(compiled, self.vocab_size, self.grammars.never_utf8)
+            seq.constraint = Constraint(compiled, self.vocab_size, self.grammars.utf8)
 
     # ---- generation -----------------------------------------------------------------------
 

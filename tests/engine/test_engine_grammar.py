@@ -249,20 +249,69 @@ def test_a_string_refuses_bytes_utf8_never_has(tiny_model_dir: Path) -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     grammars = Grammars(tokenizer, 768, {2})
-    schema = json.dumps({"type": "object", "required": ["p"],
-                         "properties": {"p": {"type": "string", "maxLength": 12}}})
-    compiled = grammars.compile(("json_schema", schema))
-    overlong, continuation, b = tokenizer.convert_tokens_to_ids(["À", "¥", "b"])  # 0xC0, 0xA5
-    assert grammars.never_utf8 is not None
-    assert bool(grammars.never_utf8[overlong]) and not grammars.never_utf8[b]
+    compiled = grammars.compile(("json_schema", STRING_SCHEMA))
+    overlong, continuation, b = byte_tokens(tokenizer, 0xC0, 0xA5, ord("b"))
+    assert grammars.utf8 is not None
 
-    def allowed(never: torch.Tensor | None) -> torch.Tensor:
-        constraint = Constraint(compiled, 768, never)
+    def allowed(with_utf8: bool) -> torch.Tensor:
+        constraint = Constraint(compiled, 768, grammars.utf8 if with_utf8 else None)
         for token in tokenizer.encode('{"p": "a', add_special_tokens=False):
             constraint.accept(token)
         return constraint.mask(torch.zeros(768)) > float("-inf")
 
-    assert allowed(None)[overlong]  # xgrammar alone lets it in
-    ours = allowed(grammars.never_utf8)
+    assert allowed(False)[overlong]  # xgrammar alone lets it in
+    ours = allowed(True)
     assert not ours[overlong] and ours[b]
     assert not ours[continuation]  # not where a character begins, as before
+
+
+STRING_SCHEMA = json.dumps({"type": "object", "required": ["p"],
+                            "properties": {"p": {"type": "string", "maxLength": 12}}})
+
+
+def byte_tokens(tokenizer: Any, *raw: int) -> list[int]:
+    """The tokens of single bytes (the tiny model's vocabulary has one per byte), found by
+    the bytes xgrammar decodes each token to."""
+    import xgrammar as xgr
+
+    vocab = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=768).decoded_vocab
+    ids = {token: i for i, token in enumerate(vocab)}
+    return [ids[bytes([x])] for x in raw]
+
+
+@pytest.mark.parametrize(("lead", "refused", "allowed"), [
+    ((0xE0,), 0x9F, 0xA0),  # E0 80-9F: an overlong three-byte form
+    ((0xED,), 0xA0, 0x9F),  # ED A0-BF: a surrogate
+    ((0xF0,), 0x8F, 0x90),  # F0 80-8F: an overlong four-byte form
+    ((0xF4,), 0x90, 0x8F),  # F4 90+: past U+10FFFF
+    ((0xF1, 0x80), 0x7F, 0xBF),  # inside a four-byte character: continuation bytes only
+])
+def test_a_character_split_across_tokens_stays_well_formed(
+        tiny_model_dir: Path, lead: tuple[int, ...], refused: int, allowed: int) -> None:
+    """Each byte is its own token here, so every character is split across tokens: the
+    constraint carries the UTF-8 byte state from one token to the next and refuses what
+    xgrammar lets through after a valid lead byte."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from clawrl.engine.grammar import Constraint, Grammars
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    grammars = Grammars(tokenizer, 768, {2})
+    compiled = grammars.compile(("json_schema", STRING_SCHEMA))
+    for utf8 in (None, grammars.utf8):
+        constraint = Constraint(compiled, 768, utf8)
+        for token in tokenizer.encode('{"p": "a', add_special_tokens=False):
+            constraint.accept(token)
+        for token in byte_tokens(tokenizer, *lead):
+            assert constraint.mask(torch.zeros(768))[token] > float("-inf")
+            constraint.accept(token)
+        open_ = constraint.mask(torch.zeros(768)) > float("-inf")
+        bad, good, quote = byte_tokens(tokenizer, refused, allowed, ord('"'))
+        assert open_[good]
+        if utf8 is None:
+            continue
+        assert not open_[bad]  # ill-formed however the grammar reads it
+        assert not open_[quote]  # the string cannot close on half a character
+    assert any(constraint.mask(torch.zeros(768))[t] > float("-inf")
+               for t in byte_tokens(tokenizer, *range(0x80, 0xC0)))
