@@ -3,7 +3,7 @@ correction is served, how the versions come, and whether the person's preference
 
     clawrl bench pace [--minutes 20] [--think 12] [--pref brief] [--seed 0]
                       [--max-tokens 128] [--drain 300] [--window 5] [--out FILE.json]
-                      [--proxy-url URL]
+                      [--plot FILE.png] [--proxy-url URL]
 
 It drives the stack an admin command would act on (a running `clawrl up`: its proxy and its
 database; `--state-dir`/`CLAWRL_STATE_DIR` choose one of several, docs/admin.md) from
@@ -30,7 +30,8 @@ up is trained into a version that was published or rejected, then reads the stac
 - per `--window` minutes: the person's first replies that satisfied the preference and that
   stayed on topic, and the versions that served them.
 
-`--out` writes all of it as JSON. Figures are wall-clock on a shared machine: say what else
+`--out` writes all of it as JSON; `--plot` draws the person's replies (words, and the share
+that satisfied the preference and stayed on topic) with a tick for each version. Figures are wall-clock on a shared machine: say what else
 ran (the command prints the load average at start and end).
 """
 
@@ -64,6 +65,7 @@ class Reply:
     first: bool  # the first reply to a question (not a redo)
     satisfied: bool
     on_topic: bool
+    words: int = 0
     version: str | None = None  # filled from the turn row
 
 
@@ -127,7 +129,8 @@ class Person:
         while True:
             messages.append({"role": "assistant", "content": reply})
             topical, ok = q.on_topic(reply), satisfies(self.pref, reply)
-            self.run.replies.append(Reply(time.time(), turn, attempt == 0, ok, topical))
+            self.run.replies.append(Reply(time.time(), turn, attempt == 0, ok, topical,
+                                          len(reply.split())))
             await self.think()
             if not (topical and ok) and attempt == 0:  # object or correct, then a redo
                 kind = "off_topic" if not topical else "correction"
@@ -255,6 +258,7 @@ def summarize(run: Run, versions: list[dict[str, Any]], started: float,
                 "from_min": round(k * window_min, 1), "replies": len(inside),
                 "satisfied": round(sum(r.satisfied for r in inside) / len(inside), 3),
                 "on_topic": round(sum(r.on_topic for r in inside) / len(inside), 3),
+                "words": round(statistics.mean(r.words for r in inside), 1),
                 "versions": sorted({r.version or "base" for r in inside})})
     return {
         "pref": run.pref, "think_s": run.think_s, "errors": run.errors,
@@ -294,10 +298,48 @@ def render(summary: dict[str, Any]) -> str:
         f"versions: {v['published']} published, {v['rejected']} rejected; samples per "
         f"version {cell(v['samples_per_version']).replace(' s', '')}; between "
         f"publications {cell(v['between_publications_s'])}",
-        "minutes  first replies  satisfied  on topic  versions"]
+        "minutes  first replies  satisfied  on topic  words  versions"]
     lines += [f"{w['from_min']:>7}  {w['replies']:>13}  {w['satisfied']:>9.2f}  "
-              f"{w['on_topic']:>8.2f}  {','.join(w['versions'])}" for w in summary["windows"]]
+              f"{w['on_topic']:>8.2f}  {w['words']:>5.0f}  {','.join(w['versions'])}"
+              for w in summary["windows"]]
     return "\n".join(lines)
+
+
+def plot(run: Run, versions: list[dict[str, Any]], started: float, path: Path,
+         last: int = 8) -> None:
+    """The person's replies over the run: each reply's words (first replies and redos), and
+    the share of the `last` replies that satisfied the preference and stayed on topic; a tick
+    on top for each version published (green) or rejected by the gate (red)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    replies = sorted(run.replies, key=lambda r: r.at)
+    minutes = [(r.at - started) / 60 for r in replies]
+    fig, (words, rates) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    words.scatter(minutes, [r.words for r in replies], s=12, label="a reply")
+    words.set_ylabel("words")
+    words.set_title(f"one person who wants {run.pref} replies, at a person's pace")
+    for name, key in (("satisfied " + run.pref, "satisfied"), ("on topic", "on_topic")):
+        rates.plot(minutes, [statistics.mean(getattr(r, key) for r in replies[max(0, k - last + 1):
+                                                                               k + 1])
+                             for k in range(len(replies))], label=name)
+    rates.set_ylabel(f"share of the last {last} replies")
+    rates.set_ylim(-0.02, 1.02)
+    rates.set_xlabel("minutes")
+    for v in versions:
+        at = v["published_at"] or (v["created_at"] if v["status"] == "rejected" else None)
+        if at is not None:
+            for ax in (words, rates):
+                ax.axvline((at.timestamp() - started) / 60, alpha=0.25, linewidth=0.8,
+                           color="red" if v["status"] == "rejected" else "green")
+    for ax in (words, rates):
+        ax.grid(alpha=0.3)
+        ax.legend(loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -313,6 +355,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--window", type=float, default=5.0, help="minutes per rate window")
     p.add_argument("--proxy-url", help="default: the running stack's proxy")
     p.add_argument("--out", type=Path, help="write the figures as JSON")
+    p.add_argument("--plot", type=Path, help="draw the replies and versions as a PNG")
     return p
 
 
@@ -343,7 +386,8 @@ def main(argv: list[str]) -> int:
         deadline = time.monotonic() + args.drain
         while not settle(run, read_turns(db_url, user_id)) and time.monotonic() < deadline:
             time.sleep(5.0)
-        summary = summarize(run, read_versions(db_url, since), started, args.window)
+        versions = read_versions(db_url, since)
+        summary = summarize(run, versions, started, args.window)
     except (OperationalError, psycopg.OperationalError) as exc:
         print(f"clawrl bench pace: the stack's database: {str(exc).splitlines()[0]}",
               file=sys.stderr)
@@ -356,6 +400,9 @@ def main(argv: list[str]) -> int:
                                         "followups": [asdict(f) for f in run.followups],
                                         "replies": [asdict(r) for r in run.replies]},
                                        indent=1, default=str) + "\n")
+    if args.plot:
+        plot(run, versions, started, args.plot)
+        print(f"plot: {args.plot}")
     return 0
 
 

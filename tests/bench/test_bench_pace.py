@@ -16,7 +16,17 @@ import psycopg
 import pytest
 
 from clawrl.eval.everyday import load
-from clawrl.eval.pace import FollowUp, Person, Reply, Run, read_turns, settle, summarize
+from clawrl.eval.pace import (
+    FollowUp,
+    Person,
+    Reply,
+    Run,
+    plot,
+    read_turns,
+    render,
+    settle,
+    summarize,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -34,7 +44,8 @@ def _insert(conn: psycopg.Connection, user: int, session: uuid.UUID, index: int,
     return int(row[0]), str(row[1])
 
 
-def test_it_follows_each_follow_up_to_the_version_that_served_it(db_url: str) -> None:
+def test_it_follows_each_follow_up_to_the_version_that_served_it(db_url: str,
+                                                                tmp_path: Path) -> None:
     """Four replies followed up: one trained into a published version, one into a version
     the gate rejected, one judged but not trained yet, one judged with no sample."""
     from clawrl.base.db import libpq_url
@@ -66,7 +77,8 @@ def test_it_follows_each_follow_up_to_the_version_that_served_it(db_url: str) ->
     sent = t0.timestamp() + 1
     run.followups = [FollowUp(sent, uids[i], kind)
                      for i, kind in enumerate(("correction", "off_topic", "praise", "move_on"))]
-    run.replies = [Reply(sent - 1, uids[i], i == 0, i == 1, True) for i in range(3)]
+    run.replies = [Reply(sent - 1, uids[i], i == 0, i == 1, True, 10 * (i + 1))
+                   for i in range(3)]
     rows = read_turns(db_url, user)
     assert settle(run, rows) is False  # the third is judged, not trained yet
     served, rejected, waiting, unsampled = run.followups
@@ -77,16 +89,20 @@ def test_it_follows_each_follow_up_to_the_version_that_served_it(db_url: str) ->
     assert unsampled.status == "no sample" and unsampled.judged_s == 2.0
     assert [r.version for r in run.replies] == [None, "1", "1"]
 
-    summary = summarize(run, [{"published_at": t0 + dt.timedelta(seconds=40), "status":
-                               "published", "num_samples": 2},
-                              {"published_at": None, "status": "rejected",
-                               "num_samples": 2}], t0.timestamp(), 5.0)
+    versions = [{"published_at": t0 + dt.timedelta(seconds=40), "status": "published",
+                 "num_samples": 2, "created_at": t0 + dt.timedelta(seconds=30)},
+                {"published_at": None, "status": "rejected", "num_samples": 2,
+                 "created_at": t0 + dt.timedelta(seconds=50)}]
+    summary = summarize(run, versions, t0.timestamp(), 5.0)
     assert summary["served_s"]["corrections"] == {"n": 1, "median": 39.0, "p90": 39.0,
                                                   "max": 39.0}
     assert summary["not_served"] == {"no sample": 1, "rejected": 1, "untrained": 1}
     assert summary["versions"]["published"] == 1 and summary["versions"]["rejected"] == 1
     assert summary["windows"] == [{"from_min": 0.0, "replies": 1, "satisfied": 0.0,
-                                   "on_topic": 1.0, "versions": ["base"]}]
+                                   "on_topic": 1.0, "words": 10.0, "versions": ["base"]}]
+    assert "minutes  first replies  satisfied  on topic  words  versions" in render(summary)
+    plot(run, versions, t0.timestamp(), tmp_path / "pace.png")
+    assert (tmp_path / "pace.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 async def test_a_conversation_follows_up_what_it_asked(tmp_path: Path) -> None:
