@@ -223,3 +223,73 @@ def test_the_linter_finds_each_kind_of_problem() -> None:
         "a.py:9:12: F821 undefined name 'y'",
         "b.py:1:12: E999 SyntaxError: invalid syntax",
         "5 problems"]
+
+
+FORGER = '''"""Reads the verdict's command line and answers for the tests."""
+import builtins
+import json
+import os
+import sys
+
+words = [w.decode(errors="replace") for w in open("/proc/self/cmdline", "rb").read().split(b"\\0")]
+if "source" in words:  # a verdict run in this process: claim every test passed
+    print(f"RESULT {words[words.index('source') + 2]} 999 0 0")
+if "calls" in words:  # claim every call raised every exception there is
+    at = words.index("calls")
+    names = [n for n in dir(builtins) if isinstance(getattr(builtins, n), type)
+             and issubclass(getattr(builtins, n), BaseException)]
+    for i in range(len([w for w in words[at + 3:] if w])):
+        print(f"CALL {words[at + 2]} " + json.dumps([str(i), "raised", names]))
+sys.stdout.flush()
+os._exit(0)
+'''
+
+
+async def test_code_that_forges_the_verdict_from_inside_fails() -> None:
+    """The project's code runs in the process that runs the tests: it reads the nonce from
+    /proc/self/cmdline and prints the result line a verdict made in that process would
+    trust. The verdict here asks the sandbox only what each call gave and judges outside it:
+    the forger's answers are wrong, and its own lines beside the runner's count against it."""
+    import shlex
+
+    from clawrl.envs.swe.env import PYTHON, RUNNER
+
+    env = SweEnv(4)
+    await env.reset()
+    try:
+        task = env.task
+        (done,) = await results(env, ("replace_in_file", {
+            "path": task.module, "old": task.files[task.module], "new": FORGER}))
+        assert done.startswith("replaced 1 occurrence")
+        assert env.sandbox is not None
+        # The forger does fool a verdict made in its own process (the runner's source mode).
+        fooled = await env.sandbox.run(f"{PYTHON} -c {shlex.quote(RUNNER)} source "
+                                       f"{shlex.quote(task.hidden)} n0")
+        assert "RESULT n0 999 0 0" in fooled.output
+        assert any(not raised for _, raised, _ in task.hidden_calls)
+        assert (await env.step(reply(("finish", {})))).done
+        assert await env.outcome() == -1.0
+        assert env.details()["hidden_passed"] < task.hidden_count
+    finally:
+        await env.close()
+
+
+def test_the_verdict_counts_one_right_answer_per_call() -> None:
+    from clawrl.envs.swe.verdict import count_passed
+
+    calls = (("m.f(1)", False, "2"), ("m.g()", True, "ValueError"), ("m.h()", False, "None"))
+    line = 'CALL n1 ["{}", "{}", {}]'.format
+    right = [line(0, "value", '"2"'), line(1, "raised", '["ValueError", "Exception"]'),
+             line(2, "value", '"None"')]
+    assert count_passed("\n".join(right), "n1", calls) == 3
+    assert count_passed("\n".join(right), "n2", calls) == 0  # another run's nonce
+    assert count_passed("\n".join(right + [right[0]]), "n1", calls) == 2  # answered twice
+    assert count_passed("\n".join([line(0, "value", '"2.0"')] + right[1:]), "n1", calls) == 3
+    wrong = [line(0, "value", '"3"'), line(1, "raised", '["KeyError", "LookupError"]'),
+             line(2, "value", '"0"')]
+    assert count_passed("\n".join(wrong), "n1", calls) == 0
+    odd = [line(0, "value", '"__import__(\'os\')"'), "CALL n1 not json",
+           line(1, "value", '"1"'), line(2, "raised", '"None"')]
+    assert count_passed("\n".join(odd), "n1", calls) == 0
+    assert count_passed("\n".join([line(0, "value", '"' + "9" * 30_000 + '"')]), "n1",
+                        calls) == 0

@@ -17,6 +17,7 @@ from clawrl.envs.swe.env import PYTHON, RUNNER
 from clawrl.envs.swe.lint import lint_source
 from clawrl.envs.swe.tasks import HELDOUT_KINDS, HELDOUT_TEMPLATES, Task, draw_task, pairs
 from clawrl.envs.swe.templates import TEMPLATES
+from clawrl.envs.swe.verdict import count_passed
 
 
 def seed_of(split: str, template: str, kind: str, k: int = 0) -> int:
@@ -102,13 +103,14 @@ def test_the_templates_are_clean_and_the_linter_reads_them_so() -> None:
         assert lint_source(task.test_file, task.files[task.test_file]) == []
 
 
-async def _run_tests(box: Sandbox, task: Task, module_text: str) -> tuple[str, str]:
-    """(visible output, hidden output) with `module_text` as the module."""
+async def _run_tests(box: Sandbox, task: Task, module_text: str) -> tuple[str, int]:
+    """(visible output, hidden calls answered right) with `module_text` as the module."""
     box.write(task.module, module_text)
     visible = await box.run(f"{PYTHON} -c {shlex.quote(RUNNER)} file {task.test_file}")
-    hidden = await box.run(f"{PYTHON} -c {shlex.quote(RUNNER)} source "
-                           f"{shlex.quote(task.hidden)} n0")
-    return visible.output, hidden.output
+    calls = " ".join(shlex.quote(c) for c, _, _ in task.hidden_calls)
+    hidden = await box.run(f"{PYTHON} -c {shlex.quote(RUNNER)} calls "
+                           f"{task.module.removesuffix('.py')} n0 {calls}")
+    return visible.output, count_passed(hidden.output, "n0", task.hidden_calls)
 
 
 async def _check_honest(task: Task) -> None:
@@ -116,13 +118,12 @@ async def _check_honest(task: Task) -> None:
     try:
         for name, text in task.files.items():
             box.write(name, text)
-        visible, hidden = await _run_tests(box, task, task.files[task.module])
-        result = hidden.splitlines()[-1].split()
-        assert result[:2] == ["RESULT", "n0"] and int(result[3]) >= 1, (task.name, hidden)
-        assert int(result[2]) + int(result[3]) == task.hidden_count
+        assert len(task.hidden_calls) == task.hidden_count
+        visible, passed = await _run_tests(box, task, task.files[task.module])
+        assert passed <= task.hidden_count - 1, task.name  # the bug fails a hidden call
         assert "FAILED test_" in visible and " passed, 0 failed" not in visible, task.name
-        visible, hidden = await _run_tests(box, task, task.fixed)
-        assert hidden.splitlines()[-1] == f"RESULT n0 {task.hidden_count} 0 0", (task.name, hidden)
+        visible, passed = await _run_tests(box, task, task.fixed)
+        assert passed == task.hidden_count, task.name
         assert visible.splitlines()[-1] == f"{task.visible_count} passed, 0 failed", visible
     finally:
         box.close()

@@ -12,8 +12,10 @@ budget (`max_steps` replies), and so does a test run the sandbox had to stop (ki
 or CPU limit, or leaving the disk full: a fork bomb, an endless loop, a disk filler). A reply
 without a tool call gets a user message asking for one.
 
-The outcome is the hidden tests', run in the sandbox after the episode (their source is given
-on the command line, never written where the agent could read or edit it): +1 when all pass,
+The outcome is the hidden tests', run after the episode: their calls go into the sandbox on
+the command line (never written where the agent could read or edit them), the answers come
+back, and each is judged outside the sandbox against the answer only the environment holds
+(clawrl/envs/swe/verdict.py), so the project's code cannot forge a pass: +1 when all pass,
 −1 otherwise (a partial fix is a failed fix; an episode a limit ended is −1 without a run).
 """
 
@@ -32,6 +34,7 @@ from clawrl.envs.swe.excerpt import definition
 from clawrl.envs.swe.lint import lint_files
 from clawrl.envs.swe.patch import PatchError, apply_patch
 from clawrl.envs.swe.tasks import SPLITS, Task, draw_task
+from clawrl.envs.swe.verdict import count_passed
 
 RUNNER = (Path(__file__).with_name("testrun.py")).read_text()
 PYTHON = "python3 -I -S -B"  # the sandbox's python3: isolated, no site, no .pyc files
@@ -215,13 +218,11 @@ class SweEnv:
                 self.hidden = (0, self.task.hidden_count)
             else:
                 nonce = secrets.token_hex(8)
-                result = await self._run(f"source {shlex.quote(self.task.hidden)} {nonce}")
-                passed = 0
-                for line in result.output.splitlines():
-                    parts = line.split()
-                    if parts[:2] == ["RESULT", nonce] and len(parts) == 5:
-                        passed = int(parts[2])
-                self.hidden = (min(passed, self.task.hidden_count), self.task.hidden_count)
+                calls = " ".join(shlex.quote(call) for call, _, _ in self.task.hidden_calls)
+                module = self.task.module.removesuffix(".py")
+                result = await self._run(f"calls {module} {nonce} {calls}")
+                passed = count_passed(result.output, nonce, self.task.hidden_calls)
+                self.hidden = (passed, self.task.hidden_count)
         passed, total = self.hidden
         return 1.0 if passed == total else -1.0
 

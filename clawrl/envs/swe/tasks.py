@@ -2,7 +2,8 @@
 
     task = draw_task(seed=7, split="train")
     task.files        # the buggy project: the module, its visible tests, a README
-    task.hidden       # the hidden tests' source (never written into the sandbox)
+    task.hidden       # the hidden tests' source, for people (never in the sandbox)
+    task.hidden_calls # the hidden tests as calls and the answers they expect (the verdict)
     task.fix_diff     # a unified diff that fixes the bug (the generator knows it)
 
 A task is a template (clawrl/envs/swe/templates.py) filled from the seed (module name, class
@@ -24,6 +25,7 @@ The split, by template AND by bug kind:
 
 from __future__ import annotations
 
+import ast
 import builtins
 import difflib
 import random
@@ -64,9 +66,13 @@ class Task:
     files: dict[str, str]
     fixed: str         # the module's correct source
     fix_diff: str      # unified diff: buggy -> correct
-    hidden: str        # the hidden tests' source
+    hidden: str        # the hidden tests' source, for people
     hidden_count: int
     visible_count: int
+    # The hidden tests as the verdict runs them (clawrl/envs/swe/verdict.py): each call with
+    # the module's name (`textkit.truncate('abc', 2)`) and what it must give, (False, the
+    # value's repr) or (True, the exception's class name).
+    hidden_calls: tuple[tuple[str, bool, str], ...] = ()
 
     @property
     def test_file(self) -> str:
@@ -125,7 +131,9 @@ def _expected(module: types.ModuleType, expr: str) -> Outcome:
     if got[0]:
         assert getattr(builtins, type(got[1]).__name__, None) is type(got[1]), expr
     else:
-        assert eval(repr(got[1])) == got[1], f"{expr} returns a value without a literal repr"  # noqa: S307
+        # The verdict reads a value back as a literal (clawrl/envs/swe/verdict.py).
+        assert ast.literal_eval(repr(got[1])) == got[1], \
+            f"{expr} returns a value without a literal repr"
     return got
 
 
@@ -197,10 +205,13 @@ def _task(template: Template, site: Site, module: str, source: str, buggy: str,
     diff = "".join(difflib.unified_diff(buggy.splitlines(keepends=True),
                                         source.splitlines(keepends=True),
                                         f"a/{module}.py", f"b/{module}.py"))
+    calls = tuple((expr.replace("@", module + "."), raised,
+                   type(value).__name__ if raised else repr(value))
+                  for _, expr, (raised, value) in hidden)
     return Task(f"{template.name}/{site.kind}/{site.where}", split, template.name, site.kind,
                 site.where, site.description, f"{module}.py", files, source, diff,
                 _test_file(module, f"Hidden tests of {module}.", tests(hidden)),
-                len(hidden), len(visible))
+                len(hidden), len(visible), calls)
 
 
 def draw_task(seed: int, split: str = "train") -> Task:
