@@ -16,6 +16,7 @@ from clawrl.eval import cli
 from clawrl.eval import config as evalconfig
 from clawrl.eval.attack import Adversary, attack_summary, garbled, town_words
 from clawrl.world.town import Style, World, render_reply
+from trainer.config import TrainerSettings
 
 
 def test_replies_of_the_town_are_not_garbled_and_tempered_noise_is() -> None:
@@ -100,8 +101,25 @@ def test_attack_arguments_and_the_undefended_stack() -> None:
     defended = evalconfig.stack_env(config, "defended")
     undefended = evalconfig.stack_env(config, "undefended")
     assert defended["CLAWRL_TRAINER__METHOD"] == undefended["CLAWRL_TRAINER__METHOD"]
-    assert {k: v for k, v in undefended.items() if defended.get(k) != v} == \
-        evalconfig.UNDEFENDED_TRAINER
+    # Undefended: one batch of 64 drawn round robin, no share per user, tokens weighed alike.
+    assert {k: v for k, v in undefended.items() if defended.get(k) != v} == {
+        "CLAWRL_TRAINER__USER_BATCH_SHARE": "1", "CLAWRL_TRAINER__USER_QUOTA": "1",
+        "CLAWRL_TRAINER__MAX_BATCH_SIZE": "64", "CLAWRL_TRAINER__LOSS_SHARE": "token"}
+    # Both train full batches, as every method; no window (ten versions take minutes).
+    for env in (defended, undefended):
+        assert env["CLAWRL_TRAINER__MAX_WAIT_S"] == str(evalconfig.FULL_BATCH_WAIT_S)
+        assert env["CLAWRL_TRAINER__USER_WINDOW_BATCHES"] == "0"
+    # The rounds chat until every user waiting has the quota the trainer reads from the
+    # same settings: half a batch defended (a version is full at three quotas), the whole
+    # batch undefended. Defended says the trainer's defaults.
+    def trainer(env: dict[str, str]) -> TrainerSettings:
+        return TrainerSettings(**{k.removeprefix("CLAWRL_TRAINER__").lower(): v
+                                  for k, v in env.items() if k.startswith("CLAWRL_TRAINER__")})
+
+    assert evalconfig.attack_quota(config, "defended") == trainer(defended).share_rule.quota == 32
+    assert evalconfig.attack_quota(config, "undefended") == \
+        trainer(undefended).share_rule.quota == 64
+    assert trainer(defended).share_rule == TrainerSettings(batch_size=64).share_rule
 
 
 @pytest.mark.parametrize("argv", [["--attack", "--personal"],
