@@ -133,3 +133,50 @@ def test_attack_runs_one_of_its_methods(capsys: pytest.CaptureFixture[str]) -> N
     assert cli.parse_args(["--attack", "--methods", "defended"]).methods == ("defended",)
     assert cli.main(["--attack", "--methods", "combine"]) == 2
     assert "unknown or missing method" in capsys.readouterr().err
+
+
+async def test_a_round_knows_when_every_user_waiting_has_a_quota(db_url: str) -> None:
+    """`fewest_ready`: the fewest usable samples of any user with some waiting — what the
+    attack's rounds compare with the quota (skipped and unjudged ones not counted)."""
+    import uuid
+
+    from sqlalchemy import insert, update
+
+    from clawrl.base.db import Judgment, Sample, Turn, User, create_async, create_engine
+    from clawrl.eval.rounds import fewest_ready
+
+    sync = create_engine(db_url)
+
+    def add(user: str, n: int, **fields: Any) -> list[int]:
+        with sync.begin() as conn:
+            uid = conn.execute(insert(User.__table__).values(name=user)
+                               .returning(User.__table__.c.id)).scalar_one()
+            ids = []
+            for _ in range(n):
+                turn = conn.execute(insert(Turn.__table__).values(
+                    uid=uuid.uuid4(), user_id=uid, request_messages=[], status="ok")
+                    .returning(Turn.__table__.c.id)).scalar_one()
+                judgment = conn.execute(insert(Judgment.__table__).values(
+                    turn_id=turn, prompt_version="v1").returning(Judgment.__table__.c.id))
+                ids.append(conn.execute(insert(Sample.__table__).values(
+                    turn_id=turn, judgment_id=judgment.scalar_one(), user_id=uid,
+                    prompt_ids=[1], response_ids=[2], rollout_logprobs=[-1.0],
+                    weight_version="0", **({"reward": 1} | fields))
+                    .returning(Sample.__table__.c.id)).scalar_one())
+            return ids
+
+    db = create_async(db_url)
+    try:
+        assert await fewest_ready(db, "combine") == 0  # nobody waits
+        ada = add("ada", 5)
+        add("bob", 3, reward=-1)  # a −1 is a signal too
+        add("cy", 4, reward=None)  # no signal: not usable, cy does not wait
+        add("di", 2, skipped_reason="stale")
+        assert await fewest_ready(db, "combine") == 3
+        with sync.begin() as conn:
+            conn.execute(update(Sample.__table__).where(Sample.__table__.c.id.in_(ada[:4]))
+                         .values(skipped_reason="stale"))
+        assert await fewest_ready(db, "combine") == 1
+    finally:
+        await db.dispose()
+        sync.dispose()
