@@ -16,6 +16,7 @@ from typing import Literal
 from pydantic import BaseModel, Field, model_validator
 
 from clawrl.base.settings import Settings as ProxyProcessSettings
+from trainer.shares import ShareRule
 
 Method = Literal["rl", "opd", "combine"]
 
@@ -150,13 +151,18 @@ class TrainerSettings(BaseModel):
     max_staleness: int = Field(default=4, ge=0)
 
     # Fair share of the shared model (docs/trainer.md, "Fair share"): no one user steers what
-    # everyone is served. Not in personal mode (each adapter learns from its own user only).
-    # A batch is drawn round robin across users; while other users have samples waiting, one
-    # user's samples take at most `user_batch_share` of it (at least one sample), or an equal
-    # share of it when fewer users wait than that leaves room for; such a batch may stay
-    # partial and train after `max_wait_s`. A user alone may fill a batch.
-    # 1: no cap per batch (round robin still).
+    # everyone is served, and no one user's flood shrinks another's part of a version. Not in
+    # personal mode (each adapter learns from its own user only). A version takes up to
+    # `user_quota` × `batch_size` samples of every user with samples waiting, drawn round
+    # robin, so its batch grows with the users waiting (full at their quotas, up to
+    # `max_batch_size`); while others wait, one user's samples are at most as many as the
+    # busiest other user's, or `user_batch_share` × `batch_size` when the others have fewer.
+    # A user alone may fill `batch_size`. 1, 1 and `max_batch_size` = `batch_size`: one
+    # batch drawn round robin, no share per user.
     user_batch_share: float = Field(default=0.25, gt=0, le=1)
+    user_quota: float = Field(default=0.5, gt=0, le=1)
+    # None: 2 × `batch_size` (four users' quotas at the default).
+    max_batch_size: int | None = Field(default=None, ge=1)
     # One user's samples trained into the shared model within the last `user_window_s`
     # seconds are at most `user_window_batches` × `batch_size`: a user who is the only one
     # active cannot fill version after version. Beyond it their samples wait, queued (or are
@@ -224,6 +230,13 @@ class TrainerSettings(BaseModel):
         if self.replay_coef > 0 and self.backend != "torch":
             raise ValueError("replaying accepted samples (replay_coef > 0) needs the torch "
                              "backend")
+        if self.user_quota < self.user_batch_share:
+            raise ValueError(f"user_quota ({self.user_quota}) is below user_batch_share "
+                             f"({self.user_batch_share}): the most of one user's samples in a "
+                             "version cannot be less than what one user may always take")
+        if self.max_batch_size is not None and self.max_batch_size < self.batch_size:
+            raise ValueError(f"max_batch_size ({self.max_batch_size}) is below batch_size "
+                             f"({self.batch_size}): a user alone may fill batch_size")
         if self.personal and self.backend != "torch":
             raise ValueError("personal mode (one LoRA adapter per user) needs the torch backend")
         if self.personal and not self.lora.enabled:
@@ -231,9 +244,15 @@ class TrainerSettings(BaseModel):
         return self
 
     @property
-    def user_batch_cap(self) -> int:
-        """Most samples of one user in a batch while other users have samples waiting."""
-        return max(1, math.floor(self.user_batch_share * self.batch_size + 1e-9))
+    def share_rule(self) -> ShareRule:
+        """The fair share in samples (trainer/shares.py): a user alone fills `batch_size`;
+        while others wait, a quota of ⌊user_quota · batch_size⌋ and a floor of
+        ⌊user_batch_share · batch_size⌋ (each at least 1); at most `max_batch_size`."""
+        return ShareRule(
+            batch_size=self.batch_size,
+            quota=max(1, math.floor(self.user_quota * self.batch_size + 1e-9)),
+            floor=max(1, math.floor(self.user_batch_share * self.batch_size + 1e-9)),
+            max_batch=self.max_batch_size or 2 * self.batch_size)
 
     @property
     def user_window_cap(self) -> int | None:

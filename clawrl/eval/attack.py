@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from clawrl.eval.config import EvalConfig
+from clawrl.eval.config import EvalConfig, attack_quota
 from clawrl.eval.rounds import (
     chat_wave,
     eval_client,
@@ -213,6 +213,7 @@ async def run_attack_rounds(config: EvalConfig, method: str, proxy_url: str, db_
     vocabulary = town_words(world)
     probe_prompts = probe_set(world, config.probes, config.seed)
     db = create_async(db_url)
+    quota = attack_quota(config, method)
     users: list[SimUser] = []
     clients: list[Any] = []
     try:
@@ -232,11 +233,11 @@ async def run_attack_rounds(config: EvalConfig, method: str, proxy_url: str, db_
         started = time.monotonic()
         for rnd in range(config.rounds + 1):
             since = time.time()
-            if rnd > 0:
+            if rnd > 0:  # chat until every user waiting has a quota: the batch is full
                 await train_one_version(config, db, "combine", engine_url,
                                         config.max_chats * -(-config.batch_size // 32),
                                         partial(_both_waves, config, world, users, adversary,
-                                                rnd))
+                                                rnd), per_user=quota)
             version = await serving_version(engine_url)
             stats = await version_stats(db, version)
             figures = await _round_figures(db, honest, since)

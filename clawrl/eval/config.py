@@ -22,11 +22,19 @@ TRACK_METHODS = {"outcome+process": 0.5, "outcome": 1.0, "process": 0.0}
 TOOLCALL_METHODS = (*TRACK_METHODS, "none")
 # `--attack`: the product as it ships, and with its defences against one user off.
 ATTACK_METHODS = ("defended", "undefended")
-# The trainer's fair-share caps off (docs/trainer.md "Fair share").
-NO_FAIR_SHARE = {"CLAWRL_TRAINER__USER_BATCH_SHARE": "1",
+# The trainer's fair-share caps off (docs/trainer.md "Fair share"): one batch of
+# `batch_size` drawn round robin (stack_env adds MAX_BATCH_SIZE = the batch), no window.
+NO_FAIR_SHARE = {"CLAWRL_TRAINER__USER_BATCH_SHARE": "1", "CLAWRL_TRAINER__USER_QUOTA": "1",
                  "CLAWRL_TRAINER__USER_WINDOW_BATCHES": "0"}
 # The trainer's settings that bound one user's influence, turned off for `undefended`.
 UNDEFENDED_TRAINER: dict[str, str] = {**NO_FAIR_SHARE, "CLAWRL_TRAINER__LOSS_SHARE": "token"}
+# `defended`'s share of a version, said explicitly to the trainer (its defaults): a quota of
+# half a batch per user waiting, a quarter while the others have fewer, at most two batches.
+# The attack's rounds chat until every user waiting has a quota (`attack_quota`): a version
+# then holds what the plain eval's holds of each honest user.
+DEFENDED_SHARE = {"CLAWRL_TRAINER__USER_BATCH_SHARE": "0.25",
+                  "CLAWRL_TRAINER__USER_QUOTA": "0.5"}
+DEFENDED_MAX_BATCH = 2  # × batch_size
 # The tool-call track trains as `clawrl up` trains the tool-call model (trainer/config.py
 # TOOLS_RECIPE): its learning rate and the batch-mean baseline.
 TOOLCALL_LR = float(TOOLS_RECIPE["lr"])
@@ -135,6 +143,14 @@ class EvalConfig:
     everyday: bool = False
 
 
+def attack_quota(config: EvalConfig, method: str) -> int:
+    """The most samples of one user a version of `method`'s stack takes while others wait
+    (the trainer's quota, ⌊USER_QUOTA · batch_size⌋): `--attack`'s rounds chat until every
+    user with samples waiting has this many, when the trainer's batch is full."""
+    quota = float(stack_env(config, method)["CLAWRL_TRAINER__USER_QUOTA"])
+    return max(1, int(quota * config.batch_size + 1e-9))
+
+
 def trainer_method(method: str) -> str:
     """The trainer's `--method` for an eval method (`personal` trains with `combine`, the
     agent track's methods with `rl`)."""
@@ -183,15 +199,16 @@ def stack_env(config: EvalConfig, method: str) -> dict[str, str]:
                                              else PARTIAL_AFTER_S),
            "CLAWRL_TRAINER__POLL_S": "0.5",
            "CLAWRL_TRAINER__SEED": str(config.seed)}
-    if not config.attack:
+    if not config.attack or method == "undefended":
         # The eval measures learning from its own few simulated users, who chat until a
-        # batch is ready: no fair-share caps (a cap of a quarter per user would hold a
-        # two-user batch at half, docs/trainer.md "Fair share").
-        env.update(NO_FAIR_SHARE)
+        # batch is ready: no fair-share caps (docs/trainer.md "Fair share").
+        env.update(NO_FAIR_SHARE, CLAWRL_TRAINER__MAX_BATCH_SIZE=str(batch))
     else:
-        # The product's caps (`defended`) hold a batch partial while one user is over its
-        # share: it trains PARTIAL_AFTER_S after its first sample, as `clawrl up` would.
-        env["CLAWRL_TRAINER__MAX_WAIT_S"] = str(PARTIAL_AFTER_S)
+        # `defended`: the product's share of a version, full batches as every method (a
+        # version is full once each user waiting has a quota). No window: it bounds a user
+        # per hour, and the eval's ten versions take minutes, each simulated user a crowd.
+        env.update(DEFENDED_SHARE, CLAWRL_TRAINER__MAX_BATCH_SIZE=str(DEFENDED_MAX_BATCH * batch),
+                   CLAWRL_TRAINER__USER_WINDOW_BATCHES="0")
     if config.mini_batches != 1:
         env["CLAWRL_TRAINER__MINI_BATCHES"] = str(config.mini_batches)
     if config.reward_baseline is not None:

@@ -58,16 +58,21 @@ async def eval_client(db: Any, name: str, proxy_url: str, *, timeout_s: float = 
 
 
 async def train_one_version(config: EvalConfig, db: Any, method: str, engine_url: str,
-                            waves: int, wave: Callable[[int], Awaitable[Any]]) -> None:
+                            waves: int, wave: Callable[[int], Awaitable[Any]], *,
+                            per_user: int | None = None) -> None:
     """Chat in waves (`wave(k)`, at most `waves`) until a batch is ready or a version newer
     than the round's first is out, then wait until the engine serves that version: one
-    published version per round."""
+    published version per round. A batch is ready at `batch_size` usable samples, or, with
+    `per_user` (a shared version's quota, `--attack`), once every user with samples waiting
+    has that many."""
     start = (await loop_state(db, method))[2]
     rejected = await _newest_rejected(db)
     for k in range(waves):
         await wave(k)
         await wait_judged(db, method, config.round_timeout_s)
         _, ready, newest = await loop_state(db, method)
+        if per_user is not None:
+            ready = config.batch_size if await fewest_ready(db, method) >= per_user else 0
         if ready >= config.batch_size or newest > start:
             break
     await wait_published(db, method, engine_url, start, config.round_timeout_s, rejected)
@@ -265,6 +270,19 @@ async def loop_state(db: Any, method: str) -> tuple[int, int, int]:
     async with db.connect() as conn:
         jobs, samples, newest = (await conn.execute(text(sql))).one()
     return int(jobs), int(samples), int(newest)
+
+
+async def fewest_ready(db: Any, method: str) -> int:
+    """The fewest usable samples not yet trained of any user who has some (0: none)."""
+    from sqlalchemy import text
+
+    sql = f"""
+    SELECT coalesce(min(n), 0) FROM (
+      SELECT count(*) AS n FROM samples WHERE trained_step IS NULL AND skipped_reason IS NULL
+        AND {USABLE.get(method, "true")} GROUP BY user_id) per_user
+    """
+    async with db.connect() as conn:
+        return int((await conn.execute(text(sql))).scalar_one())
 
 
 async def wait_judged(db: Any, method: str, timeout_s: float, poll_s: float = 1.0) -> None:

@@ -16,6 +16,7 @@ from clawrl.eval import cli
 from clawrl.eval import config as evalconfig
 from clawrl.eval.attack import Adversary, attack_summary, garbled, town_words
 from clawrl.world.town import Style, World, render_reply
+from trainer.config import TrainerSettings
 
 
 def test_replies_of_the_town_are_not_garbled_and_tempered_noise_is() -> None:
@@ -100,8 +101,25 @@ def test_attack_arguments_and_the_undefended_stack() -> None:
     defended = evalconfig.stack_env(config, "defended")
     undefended = evalconfig.stack_env(config, "undefended")
     assert defended["CLAWRL_TRAINER__METHOD"] == undefended["CLAWRL_TRAINER__METHOD"]
-    assert {k: v for k, v in undefended.items() if defended.get(k) != v} == \
-        evalconfig.UNDEFENDED_TRAINER
+    # Undefended: one batch of 64 drawn round robin, no share per user, tokens weighed alike.
+    assert {k: v for k, v in undefended.items() if defended.get(k) != v} == {
+        "CLAWRL_TRAINER__USER_BATCH_SHARE": "1", "CLAWRL_TRAINER__USER_QUOTA": "1",
+        "CLAWRL_TRAINER__MAX_BATCH_SIZE": "64", "CLAWRL_TRAINER__LOSS_SHARE": "token"}
+    # Both train full batches, as every method; no window (ten versions take minutes).
+    for env in (defended, undefended):
+        assert env["CLAWRL_TRAINER__MAX_WAIT_S"] == str(evalconfig.FULL_BATCH_WAIT_S)
+        assert env["CLAWRL_TRAINER__USER_WINDOW_BATCHES"] == "0"
+    # The rounds chat until every user waiting has the quota the trainer reads from the
+    # same settings: half a batch defended (a version is full at three quotas), the whole
+    # batch undefended. Defended says the trainer's defaults.
+    def trainer(env: dict[str, str]) -> TrainerSettings:
+        return TrainerSettings(**{k.removeprefix("CLAWRL_TRAINER__").lower(): v
+                                  for k, v in env.items() if k.startswith("CLAWRL_TRAINER__")})
+
+    assert evalconfig.attack_quota(config, "defended") == trainer(defended).share_rule.quota == 32
+    assert evalconfig.attack_quota(config, "undefended") == \
+        trainer(undefended).share_rule.quota == 64
+    assert trainer(defended).share_rule == TrainerSettings(batch_size=64).share_rule
 
 
 @pytest.mark.parametrize("argv", [["--attack", "--personal"],
@@ -115,3 +133,50 @@ def test_attack_runs_one_of_its_methods(capsys: pytest.CaptureFixture[str]) -> N
     assert cli.parse_args(["--attack", "--methods", "defended"]).methods == ("defended",)
     assert cli.main(["--attack", "--methods", "combine"]) == 2
     assert "unknown or missing method" in capsys.readouterr().err
+
+
+async def test_a_round_knows_when_every_user_waiting_has_a_quota(db_url: str) -> None:
+    """`fewest_ready`: the fewest usable samples of any user with some waiting — what the
+    attack's rounds compare with the quota (skipped and unjudged ones not counted)."""
+    import uuid
+
+    from sqlalchemy import insert, update
+
+    from clawrl.base.db import Judgment, Sample, Turn, User, create_async, create_engine
+    from clawrl.eval.rounds import fewest_ready
+
+    sync = create_engine(db_url)
+
+    def add(user: str, n: int, **fields: Any) -> list[int]:
+        with sync.begin() as conn:
+            uid = conn.execute(insert(User.__table__).values(name=user)
+                               .returning(User.__table__.c.id)).scalar_one()
+            ids = []
+            for _ in range(n):
+                turn = conn.execute(insert(Turn.__table__).values(
+                    uid=uuid.uuid4(), user_id=uid, request_messages=[], status="ok")
+                    .returning(Turn.__table__.c.id)).scalar_one()
+                judgment = conn.execute(insert(Judgment.__table__).values(
+                    turn_id=turn, prompt_version="v1").returning(Judgment.__table__.c.id))
+                ids.append(conn.execute(insert(Sample.__table__).values(
+                    turn_id=turn, judgment_id=judgment.scalar_one(), user_id=uid,
+                    prompt_ids=[1], response_ids=[2], rollout_logprobs=[-1.0],
+                    weight_version="0", **({"reward": 1} | fields))
+                    .returning(Sample.__table__.c.id)).scalar_one())
+            return ids
+
+    db = create_async(db_url)
+    try:
+        assert await fewest_ready(db, "combine") == 0  # nobody waits
+        ada = add("ada", 5)
+        add("bob", 3, reward=-1)  # a −1 is a signal too
+        add("cy", 4, reward=None)  # no signal: not usable, cy does not wait
+        add("di", 2, skipped_reason="stale")
+        assert await fewest_ready(db, "combine") == 3
+        with sync.begin() as conn:
+            conn.execute(update(Sample.__table__).where(Sample.__table__.c.id.in_(ada[:4]))
+                         .values(skipped_reason="stale"))
+        assert await fewest_ready(db, "combine") == 1
+    finally:
+        await db.dispose()
+        sync.dispose()

@@ -1,6 +1,6 @@
-"""No one user steers the shared model: batches drawn fairly across users, a cap per user per
-batch and per time window, nothing lost (trainer/data.py `fair_order`, `claim_batch`), the
-`training_shares` view; against a real Postgres."""
+"""No one user steers the shared model: batches drawn fairly across users, a quota per user per
+version (trainer/shares.py) and a cap per time window, nothing lost (trainer/data.py
+`fair_order`, `claim_batch`), the `training_shares` view; against a real Postgres."""
 
 from __future__ import annotations
 
@@ -8,12 +8,15 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
+import pytest
+from pydantic import ValidationError
 from sqlalchemy import insert, text
 from sqlalchemy.engine import Engine
 
 from clawrl.base.db import User
-from trainer.config import TrainerSettings
+from trainer.config import TrainerSettings, load_settings
 from trainer.data import ModelLimits, claim_batch, fair_order, record_step
+from trainer.shares import ShareRule, full_size, user_limits
 
 SampleFactory = Callable[..., int]
 States = Callable[[], dict[int, Any]]
@@ -50,31 +53,102 @@ def train(db: Engine, settings: TrainerSettings, step: int) -> list[int] | None:
     return claim.batch.sample_ids
 
 
-def test_fair_order_is_round_robin_within_the_caps() -> None:
+def rule(batch_size: int = 16, quota: int = 8, floor: int = 4,
+         max_batch: int = 32) -> ShareRule:
+    return ShareRule(batch_size=batch_size, quota=quota, floor=floor, max_batch=max_batch)
+
+
+def test_user_limits_by_hand() -> None:
+    # A user alone fills batch_size, whatever the quota.
+    assert user_limits({7: 100}, rule()) == {7: 16}
+    # Everyone with a quota's worth or more: a quota each, however much one user floods.
+    assert user_limits({7: 100, 8: 9, 9: 8}, rule()) == {7: 8, 8: 8, 9: 8}
+    # The others have few: the flooder takes the floor (4), not its quota.
+    assert user_limits({7: 100, 8: 3}, rule()) == {7: 4, 8: 8}
+    # ... or as many as the busiest other user puts in, when that is above the floor.
+    assert user_limits({7: 100, 8: 6, 9: 2}, rule()) == {7: 6, 8: 8, 9: 8}
+    # Two users level with each other: each may match the other.
+    assert user_limits({7: 5, 8: 5}, rule()) == {7: 5, 8: 5}
+    assert user_limits({}, rule()) == {}
+    # Full: batch_size alone; the waiting users' quotas together, at most max_batch.
+    assert [full_size(n, rule()) for n in (0, 1, 2, 3, 4, 5)] == [16, 16, 16, 24, 32, 32]
+
+
+def test_fair_order_is_round_robin_within_the_limits() -> None:
     heads = [(1, 7), (2, 7), (3, 7), (4, 8), (5, 7), (6, 9), (9, 8)]
-    # Everyone's first (oldest first), then everyone's second; user 7 capped at 2 (the cap
-    # and an equal share of a batch of 6 among three users).
-    assert fair_order(heads, batch_size=6, user_cap=2) == [1, 4, 6, 2, 9]
-    # A user alone may fill the batch.
-    assert fair_order([(1, 7), (2, 7), (3, 7)], batch_size=2, user_cap=1) == [1, 2]
-    # The window: user 7 trained 4 of its 5 already; user 8 none of its 5.
-    assert fair_order(heads, batch_size=16, user_cap=16, window_cap=5,
-                      trained={7: 4, 9: 5}) == [1, 4, 9]
+    # Everyone's first (oldest first), then everyone's second, …; user 7 at most the
+    # busiest other user's 2 (the floor of 1 is lower), a full batch three quotas of 3.
+    assert fair_order(heads, rule(batch_size=6, quota=3, floor=1, max_batch=12)) == \
+        ([1, 4, 6, 2, 9], 9)
+    # A user alone may fill batch_size.
+    assert fair_order([(1, 7), (2, 7), (3, 7)], rule(batch_size=2, quota=1, floor=1)) == \
+        ([1, 2], 2)
+    # The window: user 7 trained 4 of its 5 already; user 9 all 5; user 8 none.
+    assert fair_order(heads, rule(), window_cap=5, trained={7: 4, 9: 5}) == ([1, 4, 9], 16)
     # Out of window for all but one: that user alone, then up to its window.
-    assert fair_order(heads, batch_size=3, user_cap=1, window_cap=2,
-                      trained={8: 2, 9: 2}) == [1, 2]
-    assert fair_order([], batch_size=4, user_cap=1) == []
-    # Fewer users waiting than the cap leaves room for: each may take an equal share
-    # (⌈5 / 2⌉ = 3 > the cap of 1), so the batch fills rather than waiting with two slots empty.
-    two = [(1, 7), (2, 7), (3, 7), (4, 7), (5, 8), (6, 8), (7, 8), (8, 8)]
-    assert fair_order(two, batch_size=5, user_cap=1) == [1, 5, 2, 6, 3, 7]
-    # ... and never more than that share: one user's many samples do not fill a batch that
-    # another user's few leave room in (it waits for max_wait_s instead).
-    assert fair_order([(1, 7), (2, 7), (3, 7), (4, 7), (5, 8)], batch_size=4,
-                      user_cap=1) == [1, 5, 2]
+    assert fair_order(heads, rule(batch_size=3, quota=1, floor=1, max_batch=6), window_cap=2,
+                      trained={8: 2, 9: 2}) == ([1, 2], 3)
+    assert fair_order([], rule()) == ([], 16)
+    # Quotas past max_batch: round robin, so the first max_batch are an equal share each.
+    many = [(100 * u + k, u) for u in range(1, 7) for k in range(10)]
+    order, size = fair_order(many, rule(batch_size=8, quota=4, floor=2, max_batch=12))
+    assert size == 12 and Counter(i // 100 for i in order[:12]) == {u: 2 for u in range(1, 7)}
 
 
-def test_a_big_user_takes_at_most_a_quarter_while_others_wait(
+def test_a_flooding_user_never_shrinks_another_users_part_of_a_version(
+        db: Engine, add_sample: SampleFactory, sample_state: States) -> None:
+    """The quota: two users with a quota's worth each get the same part of a version with or
+    without a third who floods; the batch grows by the flooder's quota instead."""
+    ada, bob = add_user(db, "ada"), add_user(db, "bob")
+    for _ in range(10):
+        add_sample(user_id=ada)
+        add_sample(user_id=bob)
+    alone = train(db, cfg(), 1)
+    assert alone is not None and owners(db, alone) == {ada: 8, bob: 8}  # 2 quotas: full
+    flood = add_user(db, "flood")
+    flood_ids = [add_sample(user_id=flood) for _ in range(100)]
+    for _ in range(6):
+        add_sample(user_id=ada)
+        add_sample(user_id=bob)
+    # ada and bob have 8 each again: they keep 8 each, the flooder gets a quota beside them.
+    beside = train(db, cfg(), 2)
+    assert beside is not None and owners(db, beside) == {ada: 8, bob: 8, flood: 8}
+    assert set(flood_ids[:8]) <= set(beside)  # the flooder's oldest
+    # Six users with plenty: quotas (48) past max_batch_size (32), an equal share of it each.
+    for name in ("cy", "di", "ed"):
+        user = add_user(db, name)
+        for _ in range(10):
+            add_sample(user_id=user)
+    for _ in range(10):
+        add_sample(user_id=ada)
+        add_sample(user_id=bob)
+    crowd = train(db, cfg(), 3)
+    assert crowd is not None and len(crowd) == 32
+    assert sorted(owners(db, crowd).values()) == [5, 5, 5, 5, 6, 6]
+    # Nothing lost: every sample is trained or still waiting, none skipped.
+    state = sample_state()
+    assert all(why is None for _, why in state.values())
+    assert sum(step is not None for step, _ in state.values()) == 16 + 24 + 32
+
+
+def test_share_settings_from_the_environment_and_refused_when_inconsistent(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CLAWRL_TRAINER__USER_QUOTA", "0.75")
+    monkeypatch.setenv("CLAWRL_TRAINER__MAX_BATCH_SIZE", "100")
+    monkeypatch.setenv("CLAWRL_TRAINER__BATCH_SIZE", "40")
+    assert load_settings().trainer.share_rule == rule(batch_size=40, quota=30, floor=10,
+                                                      max_batch=100)
+    assert cfg(batch_size=64).share_rule == rule(batch_size=64, quota=32, floor=16,
+                                                 max_batch=128)
+    with pytest.raises(ValidationError, match=r"user_quota \(0.2\) is below user_batch_share"):
+        cfg(user_quota=0.2)
+    with pytest.raises(ValidationError, match=r"max_batch_size \(8\) is below batch_size"):
+        cfg(max_batch_size=8)
+    with pytest.raises(ValidationError, match="user_quota"):
+        cfg(user_quota=1.5)
+
+
+def test_a_big_user_takes_at_most_a_quarter_while_others_have_few(
         db: Engine, add_sample: SampleFactory, sample_state: States) -> None:
     big, small, other, fourth = (add_user(db, n) for n in ("big", "small", "other", "fourth"))
     big_ids = [add_sample(user_id=big) for _ in range(100)]
@@ -88,20 +162,24 @@ def test_a_big_user_takes_at_most_a_quarter_while_others_wait(
     # Only the big user has samples waiting now: it may fill a batch, oldest first.
     second = train(db, cfg(), 2)
     assert second == big_ids[4:20]
-    # A newcomer's sample goes into the next batch; with two users waiting the big one takes
-    # an equal share (8 of 16), above the quarter but never more.
+    # A newcomer with one sample: the big user takes the floor (a quarter, 4) beside it.
     newcomer = add_sample(user_id=add_user(db, "newcomer"))
     third = train(db, cfg(), 3)
-    assert third is not None and newcomer in third and len(third) == 9
-    # With many samples of both, the batch fills half and half.
-    more = [add_sample(user_id=small) for _ in range(12)]
+    assert third is not None and newcomer in third and len(third) == 5
+    # The other user has 6: the big user may match that, not more.
+    six = [add_sample(user_id=small) for _ in range(6)]
     fourth_batch = train(db, cfg(), 4)
-    assert fourth_batch is not None and owners(db, fourth_batch) == {big: 8, small: 8}
-    assert set(more[:8]) <= set(fourth_batch)
+    assert fourth_batch is not None and owners(db, fourth_batch) == {big: 6, small: 6}
+    assert set(six) <= set(fourth_batch)
+    # With many samples of both, the batch fills half and half (two quotas of 8).
+    more = [add_sample(user_id=small) for _ in range(12)]
+    fifth = train(db, cfg(), 5)
+    assert fifth is not None and owners(db, fifth) == {big: 8, small: 8}
+    assert set(more[:8]) <= set(fifth)  # the small user's oldest
     # Nothing lost: every sample is trained or still waiting, none skipped.
     state = sample_state()
     assert all(why is None for _, why in state.values())
-    assert sum(step is not None for step, _ in state.values()) == 13 + 16 + 9 + 16
+    assert sum(step is not None for step, _ in state.values()) == 13 + 16 + 5 + 12 + 16
 
 
 def test_a_user_alone_is_held_by_the_window_and_loses_nothing(
@@ -133,14 +211,15 @@ def test_a_capped_batch_waits_for_max_wait_s_like_any_partial_one(
     for _ in range(10):
         add_sample(user_id=a)
     add_sample(user_id=b)
-    # 8 of a (an equal share) and b's one: not a full batch of 16, so it waits for more users' samples
-    # (polled until told to stop), then trains as a partial batch after max_wait_s.
+    # 4 of a (the floor: b has fewer) and b's one: not a full batch (two quotas, 16), so it
+    # waits for more users' samples (polled until told to stop), then trains as a partial
+    # batch after max_wait_s.
     polls = iter(range(5))
     claim, _ = claim_batch(db, cfg(max_wait_s=3600), LIMITS, 0,
                            should_stop=lambda: next(polls, None) is None)
     assert claim is None
     claim, _ = claim_batch(db, cfg(max_wait_s=0.05), LIMITS, 0)
-    assert claim is not None and owners(db, claim.batch.sample_ids) == {a: 8, b: 1}
+    assert claim is not None and owners(db, claim.batch.sample_ids) == {a: 4, b: 1}
     claim.release()
 
 
@@ -149,8 +228,10 @@ def test_personal_mode_trains_one_users_own_samples_without_a_cap(
     a, b = add_user(db, "a"), add_user(db, "b")
     mine = [add_sample(user_id=a) for _ in range(6)]
     add_sample(user_id=b)
-    claim, _ = claim_batch(db, cfg(batch_size=4, personal=True, user_window_batches=0.25),
-                           LIMITS, 0, user_id=a)
+    # No share applies (a quota of 1 and a floor of 1 of 4 would, on the shared model).
+    settings = cfg(batch_size=4, personal=True, user_window_batches=0.25, user_quota=0.25,
+                   max_batch_size=4)
+    claim, _ = claim_batch(db, settings, LIMITS, 0, user_id=a)
     assert claim is not None and claim.batch.sample_ids == mine[:4]
     claim.release()
 
@@ -189,8 +270,9 @@ def test_the_draw_reads_by_index_with_many_samples(db: Engine,
     window = plan(_WINDOW_SQL)
     assert "Seq Scan on samples" not in window, window
     claim, _ = claim_batch(db, cfg(), LIMITS, 0)
-    assert claim is not None and claim.batch.size == 16
-    assert len(owners(db, claim.batch.sample_ids)) == 16  # sixteen users' oldest
+    # 200 users' quotas pass max_batch_size (32): thirty-two users' oldest.
+    assert claim is not None and claim.batch.size == 32
+    assert len(owners(db, claim.batch.sample_ids)) == 32
     claim.release()
 
 
@@ -199,7 +281,8 @@ def test_training_shares_view_per_version_and_user(db: Engine,
     a, b = add_user(db, "ada"), add_user(db, "bob")
     for user in (a, a, a, b):
         add_sample(user_id=user)
-    assert train(db, cfg(batch_size=4, user_batch_share=1.0), 1) is not None
+    assert train(db, cfg(batch_size=4, user_batch_share=1.0, user_quota=1.0,
+                         max_batch_size=4), 1) is not None
     with db.connect() as conn:
         rows = conn.execute(text(
             "SELECT version, user_name, samples, version_samples, share "

@@ -329,7 +329,8 @@ def test_the_user_baseline_leaves_a_user_who_praises_everything_with_nothing(
                                .returning(User.__table__.c.id)).scalar_one()
     ids = [add_sample(reward=1, user_id=praiser) for _ in range(3)]
     ids += [add_sample(reward=1), add_sample(reward=-1)]
-    settings = cfg(method="rl", reward_baseline="user_mean", batch_size=5, user_batch_share=1)
+    settings = cfg(method="rl", reward_baseline="user_mean", batch_size=5,
+                   user_batch_share=1, user_quota=1, max_batch_size=5)
     claim, _ = claim_batch(db, settings, LIMITS, 0)
     assert claim is not None and sorted(claim.batch.sample_ids) == sorted(ids)
     by_id = dict(zip(claim.batch.sample_ids, claim.batch.baseline.tolist(), strict=True))
