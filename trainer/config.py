@@ -138,11 +138,13 @@ class TrainerSettings(BaseModel):
     batch_size: int = Field(default=16, ge=1)
     micro_batch_size: int = Field(default=4, ge=1)
     # A micro batch also holds at most this many padded tokens (its rows × its longest row;
-    # one sample at least; torch backend). Its logits are [rows, tokens, vocab] floats, kept
-    # with their tempered and log-softmaxed copies for the backward: four samples of an
-    # agent's 3–5k-token prompts (OpenClaw's) held 8.8 GB on SmolLM2 and the trainer was
-    # killed for memory; 8192 keeps short chats at `micro_batch_size` rows.
-    micro_batch_tokens: int = Field(default=8192, ge=1)
+    # one sample at least; torch backend). What the backward keeps grows with them: every
+    # layer's activations and the [rows, tokens, vocab] logits with their tempered and
+    # log-softmaxed copies. On SmolLM2-135M four samples of an agent's 3–5k-token prompts
+    # (OpenClaw's) passed 8.8 GB and the trainer was killed for memory; one sample of 4.4k
+    # tokens alone took the trainer to 11.5 GB. 4096 keeps short chats at
+    # `micro_batch_size` rows and runs an agent's samples one at a time.
+    micro_batch_tokens: int = Field(default=4096, ge=1)
     max_wait_s: float = Field(default=30.0, ge=0)
     min_batch_size: int = Field(default=1, ge=1)
     poll_s: float = Field(default=1.0, gt=0)
