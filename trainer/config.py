@@ -138,6 +138,14 @@ class TrainerSettings(BaseModel):
     # "Versions at a person's pace").
     batch_size: int = Field(default=16, ge=1)
     micro_batch_size: int = Field(default=4, ge=1)
+    # A micro batch also holds at most this many padded tokens (its rows × its longest row;
+    # one sample at least; torch backend). What the backward keeps grows with them: every
+    # layer's activations and the [rows, tokens, vocab] logits with their tempered and
+    # log-softmaxed copies. On SmolLM2-135M four samples of an agent's 3–5k-token prompts
+    # (OpenClaw's) passed 8.8 GB and the trainer was killed for memory; one at a time
+    # (3.1–4.4k tokens) they still took it to 11.5–14.4 GB. 4096 keeps short chats at
+    # `micro_batch_size` rows and runs an agent's samples one at a time.
+    micro_batch_tokens: int = Field(default=4096, ge=1)
     max_wait_s: float = Field(default=30.0, ge=0)
     min_batch_size: int = Field(default=1, ge=1)
     poll_s: float = Field(default=1.0, gt=0)

@@ -204,10 +204,24 @@ class Batch:
             temperature=None if self.temperature is None else self.temperature.to(device),
             constrained=None if self.constrained is None else self.constrained.to(device))
 
-    def micro_batches(self, size: int) -> list[Batch]:
+    def micro_batches(self, size: int, max_tokens: int | None = None) -> list[Batch]:
+        """Consecutive slices of at most `size` samples and, with `max_tokens`, at most that
+        many padded tokens (rows × the slice's longest row); a sample longer than
+        `max_tokens` is a slice of its own."""
+        lengths = self.attention_mask.sum(-1).tolist()
+        bounds, lo = [], 0
+        while lo < self.size:
+            hi, longest = lo + 1, lengths[lo]
+            while hi < self.size and hi - lo < size:
+                longest_next = max(longest, lengths[hi])
+                if max_tokens is not None and (hi - lo + 1) * longest_next > max_tokens:
+                    break
+                hi, longest = hi + 1, longest_next
+            bounds.append((lo, hi))
+            lo = hi
         out = []
-        for lo in range(0, self.size, size):
-            s = slice(lo, lo + size)
+        for lo, hi in bounds:
+            s = slice(lo, hi)
             # Trim trailing all-padding columns so short micro batches run short forwards.
             length = int(self.attention_mask[s].sum(-1).max())
             out.append(Batch(

@@ -1,12 +1,15 @@
 """`clawrl bench toolcalls`: whether a model calls a tool on its own (`tool_choice: "auto"`)
 under the sampling the engine serves it with, on SmolLM2-135M-Instruct by default.
 
-    clawrl bench toolcalls [--model DIR] [--threads N] [--samples 20] [--max-tokens 64]
-                           [--temperature T] [--request FILE[:LINE] ...] [--template FILE ...]
+    clawrl bench toolcalls [--model DIR] [--adapter DIR] [--threads N] [--samples 20]
+                           [--max-tokens 64] [--temperature T] [--request FILE[:LINE] ...]
+                           [--template FILE ...]
 
 The engine (clawrl/engine/runtime.py) runs in this process, as `clawrl engine` runs it,
 without HTTP in between. Without `--model`, the model is pulled once into
-.clawrl/bench-cache/smollm2-135m. Prompts: "What's the weather in Paris?" with a
+.clawrl/bench-cache/smollm2-135m. `--adapter DIR`: a trained version of a model that learns as a
+LoRA adapter (a `weights/vNNNNNN/` folder, trainer/policy_adapter.py), merged into `--model`
+in a temporary folder, so the figures are those of the version the engine serves. Prompts: "What's the weather in Paris?" with a
 `get_weather` tool, "List the files in my home directory." with an `exec` tool, and each
 `--request`: a chat-completions body an agent sent (a JSON object, or one line of a JSONL
 file of bodies or of `{"body": …}` records such as tests/proxy/data/openclaw-2026.9.6.jsonl).
@@ -34,8 +37,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import sys
+import tempfile
 import time
+import warnings
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -167,6 +173,25 @@ async def measure(engine: Engine, prompts: dict[str, dict[str, Any]],
                 print(f"  unread: {text[text.index(TOOL_OPEN):][:160]!r}", flush=True)
 
 
+def merge_adapter(model_dir: Path, adapter: Path, out: Path) -> Path:
+    """`model_dir` with the PEFT adapter in `adapter` merged in, written to `out` (the base's
+    tokenizer, template and generation_config beside it): a plain model directory."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    if not (adapter / "adapter_config.json").is_file():
+        raise SystemExit(f"--adapter {adapter}: no adapter_config.json (not a PEFT adapter)")
+    for path in model_dir.iterdir():  # everything but the weights
+        if path.is_file() and path.suffix not in (".safetensors", ".bin", ".gguf"):
+            shutil.copy2(path, out / path.name)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with warnings.catch_warnings():  # peft 0.21 calls a transformers API deprecated in 5.x
+        warnings.simplefilter("ignore", FutureWarning)
+        model = PeftModel.from_pretrained(model, adapter).merge_and_unload()
+    model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
 def main(argv: list[str]) -> int:
     parser = model_bench_parser(PROG, __doc__ or "")
     parser.add_argument("--samples", type=int, default=20)
@@ -176,11 +201,21 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--request", action="append", default=[], metavar="FILE[:LINE]")
     parser.add_argument("--template", action="append", default=[], type=Path)
     parser.add_argument("--no-builtin", action="store_true", help="only the --request prompts")
+    parser.add_argument("--adapter", type=Path, default=None,
+                        help="a LoRA version folder to merge into the model first")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     from clawrl.engine.pretrained import pull_model
 
     model_dir = args.model or pull_model("smollm2-135m", CACHE_DIR)
+    with tempfile.TemporaryDirectory(prefix="clawrl-toolcalls-") as merged:
+        if args.adapter is not None:
+            model_dir = merge_adapter(Path(model_dir), args.adapter, Path(merged))
+        return run(model_dir, args)
+
+
+def run(model_dir: Path, args: Any) -> int:
+    """Measure every prompt and rendering on the engine serving `model_dir`."""
     engine = Engine(str(model_dir), max_batch=8, prefix_cache_mb=512)
     prompts = {} if args.no_builtin else dict(PROMPTS)
     prompts.update(read_request(spec) for spec in args.request)
@@ -189,7 +224,9 @@ def main(argv: list[str]) -> int:
     tools = "its template" if engine.renders_tools else "the Hermes format (clawrl/engine/tools.py)"
     sampling = engine.generation_defaults if args.temperature is None else {
         "temperature": args.temperature}
-    print(f"{PROG}: {model_dir}, tools rendered by {tools}, sampling {sampling}, "
+    adapter = f" + {args.adapter}" if args.adapter is not None else ""
+    print(f"{PROG}: {args.model or model_dir}{adapter}, tools rendered by {tools}, "
+          f"sampling {sampling}, "
           f"{args.samples} samples of {args.max_tokens} tokens", flush=True)
     engine.start()
     try:

@@ -49,3 +49,32 @@ def test_the_sampling_distribution_is_what_the_sampler_draws_from() -> None:
     assert float(sampling_distribution(logits, SamplingParams(top_k=1))[1:].sum()) == 0.0
     hot = sampling_distribution(logits, SamplingParams(temperature=1.0))
     assert torch.allclose(hot, torch.softmax(logits, -1))
+
+
+def test_bench_toolcalls_measures_a_trained_adapter_version(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--adapter`: a LoRA version folder is merged into the model before it is measured, so
+    the figures move with the adapter (a random one here); a folder that holds no adapter is
+    refused."""
+    from loras import make_adapter
+
+    request = tmp_path / "agent.json"
+    request.write_text(json.dumps({"tools": TOOLS, "messages": [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "what is the favourite colour of jonas?"}]}))
+    args = ["--model", str(TOOLS_MODEL), "--samples", "2", "--max-tokens", "8",
+            "--temperature", "1", "--no-builtin", "--request", str(request)]
+
+    def figures(out: str) -> str:
+        found = re.search(r"^agent / engine: .*?(P\(open\) \S+, first \S+, T=1 \S+);", out, re.M)
+        assert found, out
+        return found.group(1)
+
+    assert main(args) == 0
+    base = figures(capsys.readouterr().out)
+    adapter = make_adapter(TOOLS_MODEL, tmp_path / "v000001", seed=0)
+    assert main([*args, "--adapter", str(adapter)]) == 0
+    out = capsys.readouterr().out
+    assert f"+ {adapter}" in out.splitlines()[0] and figures(out) != base
+    with pytest.raises(SystemExit, match="not a PEFT adapter"):
+        main([*args, "--adapter", str(tmp_path)])

@@ -89,6 +89,25 @@ def test_gradient_accumulation_equals_one_big_batch(tiny_model_dir: Path) -> Non
     assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
 
 
+def test_micro_batches_hold_at_most_micro_batch_tokens(tiny_model_dir: Path) -> None:
+    """Long samples (an agent's 3–5k-token prompts) are not stacked `micro_batch_size` at a
+    time: a micro batch holds at most `micro_batch_tokens` padded tokens, so the logits kept
+    for the backward stay bounded (four OpenClaw samples at once got the trainer killed for
+    memory), and the step is the same as one big batch's."""
+    capped = backend(tiny_model_dir, micro_batch_tokens=24)
+    assert capped.model is not None
+    shapes: list[list[int]] = []
+    capped.model.register_forward_hook(
+        lambda _m, args, kwargs, _out: shapes.append(list(kwargs["input_ids"].shape)),
+        with_kwargs=True)
+    batch = on_policy_batch(capped, [1, -1, 1, -1])  # rows of 8, 9, 10, 11 tokens
+    shapes.clear()
+    stats = capped.train_step(batch)
+    # [8, 9] pads to 2 × 9 = 18 ≤ 24; with 10 it would be 3 × 10 = 30; [10, 11]: 22.
+    assert shapes == [[2, 9], [2, 11]]
+    assert stats.loss == pytest.approx(2 / 18)
+
+
 def test_mini_batches_are_that_many_optimizer_steps_the_first_on_policy(
         tiny_model_dir: Path) -> None:
     """mini_batches=2: two steps on halves of the batch. The second sees a policy the first

@@ -151,6 +151,9 @@ def test_collate_places_response_on_the_target_grid() -> None:
     assert batch.staleness == [1, 0] and batch.num_tokens == 3
     micro = batch.micro_batches(1)
     assert micro[1].input_ids.tolist() == [[20, 21]] and micro[1].loss_mask.tolist() == [[1]]
+    # A token budget: rows × longest row ≤ max_tokens, one sample at least.
+    assert [m.sample_ids for m in batch.micro_batches(4, max_tokens=4)] == [[1], [2]]
+    assert [m.sample_ids for m in batch.micro_batches(4, max_tokens=10)] == [[1, 2]]
 
 
 def test_sharing_by_user_weighs_each_user_the_same() -> None:

@@ -157,7 +157,7 @@ class TorchBackend:
         was_training = model.training
         model.eval()
         parts = []
-        for micro in batch.micro_batches(self.cfg.micro_batch_size):
+        for micro in batch.micro_batches(self.cfg.micro_batch_size, self.cfg.micro_batch_tokens):
             micro = micro.to(self.device)
             lp = self._policy_logprobs(model, micro)
             pad = batch.loss_mask.shape[1] - lp.shape[1]
@@ -219,7 +219,7 @@ class TorchBackend:
         opt.zero_grad(set_to_none=True)
         sums = {"loss": 0.0, "pg": 0.0, "kl": 0.0, "ent": 0.0, "ratio": 0.0, "clip": 0}
         abs_lr_max, bad = 0.0, None
-        for micro in batch.micro_batches(self.cfg.micro_batch_size):
+        for micro in batch.micro_batches(self.cfg.micro_batch_size, self.cfg.micro_batch_tokens):
             micro = micro.to(self.device)
             logp_ref = self._reference_logprobs(micro)
             raw = self._logits(model, micro)
