@@ -230,3 +230,42 @@ def test_lora_checkpoint_round_trip_restores_adapters_and_optimizer(
     b.train_step(batch)
     pa, pb = params(a), params(b)
     assert all(torch.allclose(pa[k], pb[k], atol=1e-7) for k in pa)
+
+
+def test_the_head_runs_only_where_a_token_is_scored(tiny_model_dir: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step computes the logits from the first scored position on (an agent's long prompt
+    carries no loss) and trains exactly as with every position's logits: the same loss, KL,
+    entropy and weights after."""
+    import trainer.backends.torch as torch_backend
+
+    kw = {"kl_coef": 0.05, "entropy_coef": 0.01, "lora": LoraSettings(enabled=True)}
+    gen = torch.Generator().manual_seed(1)
+    rows = []
+    for i, (prompt, reply) in enumerate(((40, 4), (25, 7), (33, 3))):
+        ids = torch.randint(3, 700, (prompt + reply,), generator=gen).tolist()
+        rows.append(SampleRow(i, ids[:prompt], ids[prompt:], [-1.0] * reply, None,
+                              (-1) ** i, 0))
+    batch = collate(rows, 0)
+    assert torch_backend.first_scored(batch) == 24  # the shortest prompt's last position
+    heads: list[int] = []
+    real_logits = TorchBackend._logits
+
+    def counted(self: TorchBackend, model: torch.nn.Module, micro: Batch,
+                first: int = 0) -> torch.Tensor:
+        out = real_logits(self, model, micro, first)
+        heads.append(out.shape[1])
+        return out
+
+    monkeypatch.setattr(TorchBackend, "_logits", counted)
+    trimmed = backend(tiny_model_dir, **kw)
+    got = trimmed.train_step(batch)
+    assert heads and set(heads) == {batch.input_ids.shape[1] - 24}
+    monkeypatch.setattr(torch_backend, "first_scored", lambda micro: 0)
+    whole = backend(tiny_model_dir, **kw)
+    want = whole.train_step(batch)
+    assert heads[-1] == batch.input_ids.shape[1]
+    for name in ("loss", "pg_loss", "kl", "entropy", "ratio_mean"):
+        assert getattr(got, name) == pytest.approx(getattr(want, name), rel=1e-4, abs=1e-6)
+    a, b = params(trimmed), params(whole)
+    assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)

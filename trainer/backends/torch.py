@@ -44,6 +44,21 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def first_scored(micro: Batch) -> int:
+    """The first position whose next token carries loss in some row of `micro` (0: none).
+    The logits before it are never read: an agent's turn is a 3–5k-token prompt and a reply
+    of a few dozen, and each position's logits are a vocabulary's worth of floats (49,152 on
+    SmolLM2), with their tempered and log-softmaxed copies and their gradients."""
+    columns = micro.loss_mask.any(dim=0).nonzero()
+    return int(columns[0]) if len(columns) else 0
+
+
+def scored(values: Tensor, first: int) -> Tensor:
+    """`[b, T - first]` values of positions `first`… back on the target grid `[b, T]`, zero
+    before `first` (where the loss mask is zero in every row)."""
+    return torch.nn.functional.pad(values, (first, 0)) if first else values
+
+
 def _nonfinite(term: str, nll: float) -> str | None:
     """Why a step with this supervised term's NLL must be skipped, or None when it is finite."""
     return None if math.isfinite(nll) else f"non-finite {term} loss ({nll})"
@@ -129,27 +144,29 @@ class TorchBackend:
         return self.model
 
     # -- forward passes ----------------------------------------------------------------------
-    def _logits(self, model: torch.nn.Module, micro: Batch) -> Tensor:
-        """The untempered logits `[b, L, V]` (`temper` them for the sample's distribution)."""
+    def _logits(self, model: torch.nn.Module, micro: Batch, first: int = 0) -> Tensor:
+        """The untempered logits `[b, L - first, V]` of positions `first`… (`temper` them for
+        the sample's distribution): the model's head only where a next token is scored."""
         out = model(input_ids=micro.input_ids, attention_mask=micro.attention_mask,
-                    use_cache=False)
+                    use_cache=False, logits_to_keep=micro.input_ids.shape[1] - first)
         logits: Tensor = out.logits
         return logits
 
-    def _policy_logprobs(self, model: torch.nn.Module, micro: Batch) -> Tensor:
-        """Logprobs `[b, T]` under each sample's behaviour temperature."""
-        return gather_logprobs(temper(self._logits(model, micro), micro.temperature),
-                               micro.input_ids)
+    def _policy_logprobs(self, model: torch.nn.Module, micro: Batch, first: int = 0) -> Tensor:
+        """Logprobs `[b, T]` under each sample's behaviour temperature (0 before `first`)."""
+        return scored(gather_logprobs(temper(self._logits(model, micro, first),
+                                             micro.temperature),
+                                      micro.input_ids[:, first:]), first)
 
     @torch.no_grad()
-    def _reference_logprobs(self, micro: Batch) -> Tensor | None:
+    def _reference_logprobs(self, micro: Batch, first: int = 0) -> Tensor | None:
         if self.cfg.kl_coef <= 0:
             return None
         if self.cfg.lora.enabled:
             with self._model().disable_adapter():  # type: ignore[operator]
-                return self._policy_logprobs(self._model(), micro)
+                return self._policy_logprobs(self._model(), micro, first)
         assert self.reference is not None
-        return self._policy_logprobs(self.reference, micro)
+        return self._policy_logprobs(self.reference, micro, first)
 
     @torch.no_grad()
     def compute_logprobs(self, batch: Batch) -> Tensor:
@@ -221,15 +238,18 @@ class TorchBackend:
         abs_lr_max, bad = 0.0, None
         for micro in batch.micro_batches(self.cfg.micro_batch_size, self.cfg.micro_batch_tokens):
             micro = micro.to(self.device)
-            logp_ref = self._reference_logprobs(micro)
-            raw = self._logits(model, micro)
+            first = first_scored(micro)
+            logp_ref = self._reference_logprobs(micro, first)
+            raw = self._logits(model, micro, first)
             logits = temper(raw, micro.temperature)
-            logp_new = gather_logprobs(logits, micro.input_ids)
-            entropy = entropy_from_logits(logits) if self.cfg.entropy_coef > 0 else None
+            ids = micro.input_ids[:, first:]
+            logp_new = scored(gather_logprobs(logits, ids), first)
+            entropy = scored(entropy_from_logits(logits), first) \
+                if self.cfg.entropy_coef > 0 else None
             logp_plain = None
             if needs_plain_logprobs(self.cfg, micro):
                 with torch.no_grad():
-                    logp_plain = gather_logprobs(raw.detach(), micro.input_ids)
+                    logp_plain = scored(gather_logprobs(raw.detach(), ids), first)
             terms = micro_batch_loss(self.cfg, micro, logp_new, num_tokens, logp_ref, entropy,
                                      logp_plain)
             loss_value = float(terms.loss.detach())
