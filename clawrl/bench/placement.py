@@ -31,7 +31,15 @@ Reported: the engine processes' memory (RSS and PSS, summed over a placement's p
 idle (adapters loaded, nothing served) and after the rounds; judge latency p50/p90 over all
 rounds; the policy replies' tokens/s (a reply's tokens over its wall time, prefill included;
 median); one engine over two engines as medians of per-round ratios; how many judge answers
-were the same text in both placements.
+were the same text in both placements. The judge requests run back to back, faster than a
+person's pace (one judgment per turn): the faster judge does more work beside the same reply,
+which weighs on its placement's policy tokens/s.
+
+Then, with no policy traffic, `--alone` turns judged one at a time by the judge engine, by the
+one engine's judge adapter, and by the same adapter loaded without its chat template (so
+rendered with SmolLM2's, default system message included, as an engine without per-adapter
+templates would): each one's latency p50 and how many answers and verdicts match the judge
+engine's.
 """
 
 from __future__ import annotations
@@ -76,6 +84,7 @@ PROG = "clawrl bench placement"
 POLICY_NAME = "policy"  # the base model's served name in the policy and the one engine
 JUDGE_NAME = "judge"  # the judge engine's served name (judge/backends.py JUDGE_ENGINE_MODEL)
 PLACEMENTS = ("two engines", "one engine")
+PLAIN_JUDGE = "judge-plain"  # the judge adapter without its chat template
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -99,12 +108,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "torch's default, as `clawrl up` starts them)")
     p.add_argument("--judge-threads", type=int, default=1,
                    help="torch threads of the judge engine (`clawrl judge serve`'s default)")
+    p.add_argument("--alone", type=int, help="turns judged with no policy traffic, "
+                                             "three ways (default 8; --quick: 2)")
     p.add_argument("--quick", action="store_true", help="small sizes, for a test")
     args = p.parse_args(argv)
-    for name, full, small in (("rounds", 3, 1), ("replies", 2, 1), ("reply_tokens", 128, 16)):
+    for name, full, small in (("rounds", 3, 1), ("replies", 2, 1), ("reply_tokens", 128, 16),
+                              ("alone", 8, 2)):
         if getattr(args, name) is None:
             setattr(args, name, small if args.quick else full)
-    for name in ("rounds", "replies", "streams", "reply_tokens", "judge_threads"):
+    for name in ("rounds", "replies", "streams", "reply_tokens", "judge_threads", "alone"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.policy_threads < 0:
@@ -209,6 +221,36 @@ async def warm_up(place: Placement, turns: list[dict[str, str]], questions: list
         await cast_votes(place.judge, fields, settings, settings.prompt_version)
 
 
+async def judge_alone(places: list[Placement], plain: str, n: int,
+                      turns: list[dict[str, str]]) -> None:
+    """`n` turns judged with nothing else running: by the judge engine, the one engine's
+    judge adapter, and the adapter `plain` (the same weights without the judge's chat
+    template); latencies and answers against the judge engine's."""
+    two, one = places
+    assert two.judge is not None and one.judge is not None
+    settings = judge_settings()
+    untemplated = ChatBackend(one.judge.client, one.judge_url + "/v1",
+                              model=f"{POLICY_NAME}:{plain}", api_key=None, concurrency=8)
+    sides = {"judge engine": two.judge, "one engine's judge adapter": one.judge,
+             "the adapter with SmolLM2's template": untemplated}
+    got: dict[str, list[tuple[float, str, int | None]]] = {name: [] for name in sides}
+    for k in range(n):
+        for name, backend in sides.items():
+            t0 = time.perf_counter()
+            prm, _ = await cast_votes(backend, turns[k % len(turns)], settings,
+                                      settings.prompt_version)
+            got[name].append((1e3 * (time.perf_counter() - t0), prm.votes[0].text, prm.reward))
+    ref = got["judge engine"]
+    for name, rows in got.items():
+        line = (f"judge alone, {name}: p50 {statistics.median(r[0] for r in rows):,.0f} ms "
+                f"({n} turns, no policy traffic)")
+        if name != "judge engine":
+            same = sum(r[1] == f[1] for r, f in zip(rows, ref, strict=True))
+            verdicts = sum(r[2] == f[2] for r, f in zip(rows, ref, strict=True))
+            line += f"; answers alike the judge engine's {same} of {n}, verdicts {verdicts} of {n}"
+        print(line, flush=True)
+
+
 # -- set-up -------------------------------------------------------------------------------------
 def policy_adapter(base: Path, out: Path) -> Path:
     """A new user's policy adapter on `base`, as the trainer writes one."""
@@ -222,6 +264,14 @@ def policy_adapter(base: Path, out: Path) -> Path:
     maker.save_adapter(out)
     del maker
     gc.collect()
+    return out
+
+
+def write_plain_adapter(adapter: Path, out: Path) -> Path:
+    """The judge adapter's weights and config alone (no chat template of its own)."""
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        shutil.copyfile(adapter / name, out / name)
     return out
 
 
@@ -271,7 +321,7 @@ def dtype_of(log: Path) -> str:
     return "?"
 
 
-async def measure(places: list[Placement], args: argparse.Namespace) -> None:
+async def measure(places: list[Placement], args: argparse.Namespace, work: Path) -> None:
     turns, questions = judge_turns(), [q["text"] for q in read_jsonl(QUESTIONS)]
     async with httpx.AsyncClient(timeout=1800) as client:
         for place in places:
@@ -283,6 +333,8 @@ async def measure(places: list[Placement], args: argparse.Namespace) -> None:
                                           model=place.judge_model, api_key=None,
                                           concurrency=8)
             place.read_memory("idle")
+            print(f"memory, {place.name}, idle: RSS {mb(place.memory['idle'][0])} MB  PSS "
+                  f"{mb(place.memory['idle'][1])} MB (before the warm-up)", flush=True)
             await warm_up(place, turns, questions)
         for rnd in range(args.rounds):
             for place in places[:: 1 - 2 * (rnd % 2)]:
@@ -295,6 +347,9 @@ async def measure(places: list[Placement], args: argparse.Namespace) -> None:
                 flush=True)
         for place in places:
             place.read_memory("after traffic")
+        load(places[1].policy_url, PLAIN_JUDGE, write_plain_adapter(args.judge_adapter,
+                                                                     work / PLAIN_JUDGE))
+        await judge_alone(places, PLAIN_JUDGE, args.alone, turns)
 
 
 def report(places: list[Placement], args: argparse.Namespace) -> None:
@@ -333,7 +388,9 @@ def report(places: list[Placement], args: argparse.Namespace) -> None:
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
-    print(machine_line(), flush=True)
+    load = os.getloadavg()
+    print(f"load average at the start: {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}",
+          flush=True)
     work = Path(tempfile.mkdtemp(prefix="clawrl-bench-placement-"))
     try:
         with placements(args, work) as places:
@@ -345,7 +402,7 @@ def main(argv: list[str]) -> int:
                        f"{args.policy_threads or 'default'}) + {policy_adapter_name(1)} + judge "
                        f"adapter")
             print(engines, flush=True)
-            asyncio.run(measure(places, args))
+            asyncio.run(measure(places, args, work))
         report(places, args)
     except EngineStartError as exc:
         print(f"{PROG}: {exc}", flush=True)

@@ -65,12 +65,21 @@ def test_bench_placement_prints_every_figure(tiny_model_dir: Path, tmp_path: Pat
     assert min(ratios) > 0 and ratios[3] < 1
     same, total = _num(rf"judge answers alike in both placements: {NUM} of {NUM}", out)
     assert total >= 2 and same <= total
-    assert out.count("machine: ") == 2
+    p50 = _num(rf"judge alone, judge engine: p50 {NUM} ms \(2 turns, no policy traffic\)",
+               out)[0]
+    assert p50 > 0
+    for name in ("one engine's judge adapter", "the adapter with SmolLM2's template"):
+        p50, same, n, verdicts, n2 = _num(
+            rf"judge alone, {name}: p50 {NUM} ms \(2 turns, no policy traffic\); answers alike "
+            rf"the judge engine's {NUM} of {NUM}, verdicts {NUM} of {NUM}", out)
+        assert p50 > 0 and n == n2 == 2 and same <= n and verdicts <= n
+    assert "load average at the start: " in out and out.count("machine: ") == 1
 
 
 @pytest.mark.parametrize(("args", "message"), [
     (["--rounds", "0"], "--rounds must be at least 1"),
     (["--streams", "0"], "--streams must be at least 1"),
+    (["--alone", "0"], "--alone must be at least 1"),
     (["--policy-threads", "-1"], "--policy-threads must be 0"),
     (["--base", "/nonexistent"], "is not a model directory"),
     (["--judge-adapter", "/nonexistent"], "is not a LoRA adapter"),
