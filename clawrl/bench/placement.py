@@ -388,8 +388,8 @@ def report(places: list[Placement], args: argparse.Namespace) -> None:
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
-    load = os.getloadavg()
-    print(f"load average at the start: {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}",
+    avg = os.getloadavg()
+    print(f"load average at the start: {avg[0]:.1f} / {avg[1]:.1f} / {avg[2]:.1f}",
           flush=True)
     work = Path(tempfile.mkdtemp(prefix="clawrl-bench-placement-"))
     try:
