@@ -35,7 +35,8 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "keys": ("proxy.admin", "keys_main", "create, list or revoke API keys"),
     "sql": ("proxy.admin", "sql_main", "run a read-only SQL query on the log"),
     "bench": ("clawrl.cli.main", "bench_main",
-              "benchmarks: proxy, faults, judge, trainer, adapters, megatron, env, engine, grammar, pace"),
+              "benchmarks: proxy, faults, judge, trainer, adapters, placement, megatron, env, "
+              "engine, grammar, pace"),
 }
 
 # Commands that administer an existing stack: pointed at the running `clawrl up`.
@@ -48,6 +49,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "judge": ("clawrl.bench.judge", "main"),
     "trainer": ("clawrl.bench.trainer", "main"),
     "adapters": ("clawrl.bench.adapters", "main"),
+    "placement": ("clawrl.bench.placement", "main"),
     "megatron": ("clawrl.bench.megatron", "main"),
     "console": ("clawrl.bench.console", "main"),
     "env": ("clawrl.bench.envs", "main"),

@@ -1,7 +1,7 @@
 """`/v1/chat/completions` for the embedded engine, shaped like SGLang 0.5.x `serving_chat.py`.
 
-The prompt is the model's chat template rendered by `tokenizer.apply_chat_template` (tools
-included; for a template that cannot render tools, in the format of clawrl/engine/tools.py)
+The prompt is the model's chat template (or the requested LoRA adapter's own, when its folder
+has one) rendered by `tokenizer.apply_chat_template` (tools included; for a template that cannot render tools, in the format of clawrl/engine/tools.py)
 and encoded without added special tokens, or the request's own `input_ids`.
 Token ids come back as `choices[].prompt_token_ids` / `response_token_ids`
 (`return_token_ids`, non-stream only) or in a response-level `sglext` object
@@ -105,10 +105,12 @@ def prompt_ids(engine: Engine, req: ChatCompletionRequest) -> list[int]:
     if not engine.renders_tools and (tools or any(
             m.get("tool_calls") or m["role"] == "tool" for m in messages)):
         messages, tools = render_tool_messages(messages, tools), None
+    # An adapter trained on prompts of its own template (the judge's) is served with it.
+    template = engine.adapters.chat_template(req.lora_name(engine.served_model_name))
     try:
         text = engine.tokenizer.apply_chat_template(
             messages, tools=tools, tokenize=False, add_generation_prompt=True,
-            **(req.chat_template_kwargs or {}))
+            chat_template=template, **(req.chat_template_kwargs or {}))
     except Exception as exc:  # jinja errors in the template are the request's fault
         raise EngineError(f"cannot render the chat template: {exc}") from exc
     return engine.encode(str(text) + prefix)

@@ -2,8 +2,11 @@
 and the registry behind `/load_lora_adapter` and `/unload_lora_adapter` (SGLang semantics,
 docs/engine-protocol.md §1.3, docs/engine.md "LoRA adapters").
 
-An adapter is a PEFT LoRA directory (`adapter_config.json` + `adapter_model.safetensors`). Its
-weights stay separate from the base model: every target `nn.Linear` gets a forward hook that
+An adapter is a PEFT LoRA directory (`adapter_config.json` + `adapter_model.safetensors`, and
+optionally `chat_template.jinja`, the file name transformers saves a template under: chat
+requests naming the adapter are rendered with it instead of the base model's, for an adapter
+trained on other prompts, such as the judge's ChatML without SmolLM2's default system
+message). Its weights stay separate from the base model: every target `nn.Linear` gets a forward hook that
 adds `(x @ A.T) @ B.T * scale` for the batch rows whose request uses an adapter with weights
 for that module (the scheduler says which adapter each row uses before every forward, in
 `LoRAContext.rows`). Rows of the same adapter are gathered and done in one pair of matmuls, so
@@ -40,6 +43,7 @@ log = logging.getLogger("clawrl.engine")
 
 _CONFIG = "adapter_config.json"
 _WEIGHTS = "adapter_model.safetensors"
+_TEMPLATE = "chat_template.jinja"
 _UIDS = itertools.count(1)
 
 
@@ -62,6 +66,7 @@ class Adapter:
     # Unique per load, never reused (a reload under the same name may be other weights): the
     # prefix cache keys an adapter's KV by it.
     uid: int = field(default_factory=lambda: next(_UIDS))
+    chat_template: str | None = None  # the folder's own, for chat requests naming it
 
     def __post_init__(self) -> None:
         self.idle.set()
@@ -173,7 +178,18 @@ def read_adapter(name: str, path: str, *, pinned: bool, model: Any, device: str,
         a, b = a.to(device=device, dtype=dtype), b.to(device=device, dtype=dtype)
         weights[stem] = (a, b, scale)
         nbytes += a.numel() * a.element_size() + b.numel() * b.element_size()
-    return Adapter(name=name, path=path, pinned=pinned, weights=weights, nbytes=nbytes)
+    return Adapter(name=name, path=path, pinned=pinned, weights=weights, nbytes=nbytes,
+                   chat_template=read_chat_template(folder))
+
+
+def read_chat_template(folder: Path) -> str | None:
+    """The adapter folder's own chat template (`chat_template.jinja`), if it has one."""
+    try:
+        return (folder / _TEMPLATE).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise LoRAError(f"cannot read {folder / _TEMPLATE}: {exc}") from exc
 
 
 def _check_config(name: str, config: dict[str, Any]) -> None:
@@ -291,6 +307,20 @@ class Registry:
             adapter = self.loaded[name]
         self.loaded.move_to_end(name)
         return adapter
+
+    def chat_template(self, name: str | None) -> str | None:
+        """The chat template of adapter `name` (None: the base model's), also while it is
+        evicted (its folder's file then), so a request renders alike either way."""
+        if name is None:
+            return None
+        if (adapter := self.loaded.get(name)) is not None:
+            return adapter.chat_template
+        if name in self.evicted:
+            try:
+                return read_chat_template(Path(self.evicted[name][0]))
+            except LoRAError:
+                return None  # the reload that follows reports the folder's fault
+        return None
 
     @staticmethod
     def acquire(adapter: Adapter) -> bool:

@@ -90,8 +90,10 @@ def judge_dir(state_dir: Path, adapter: Path = ADAPTER_DIR) -> Path:
     return default_models_dir(state_dir) / f"judge-{adapter_digest(adapter)}"
 
 
-def ensure_judge_model(state_dir: Path, adapter: Path = ADAPTER_DIR) -> Path:
-    """The base + adapter merged (`judge_dir`), made once per adapter version."""
+def ensure_judge_model(state_dir: Path, adapter: Path = ADAPTER_DIR,
+                       base: Path | None = None) -> Path:
+    """The base (default: the pulled SmolLM2, `base_dir`) + adapter merged (`judge_dir`),
+    made once per adapter version."""
     if not (adapter / "adapter_config.json").is_file():
         raise FileNotFoundError(f"no LoRA adapter in {adapter} (adapter_config.json missing)")
     out = judge_dir(state_dir, adapter)
@@ -102,7 +104,7 @@ def ensure_judge_model(state_dir: Path, adapter: Path = ADAPTER_DIR) -> Path:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    base = base_dir(state_dir)
+    base = base or base_dir(state_dir)
     model: Any = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     with warnings.catch_warnings():  # peft 0.21 calls a transformers API deprecated in 5.x
         warnings.simplefilter("ignore", FutureWarning)
@@ -124,6 +126,19 @@ def ensure_judge_model(state_dir: Path, adapter: Path = ADAPTER_DIR) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         if not _merged(out, digest):
             raise
+    return out
+
+
+def write_served_adapter(out: Path, adapter: Path = ADAPTER_DIR) -> Path:
+    """The judge adapter, unmerged, as an engine serving the base model beside other adapters
+    loads it (`/load_lora_adapter`): its weights and config, and the judge's chat template as
+    `chat_template.jinja`, which the engine renders requests naming the adapter with."""
+    if not (adapter / "adapter_config.json").is_file():
+        raise FileNotFoundError(f"no LoRA adapter in {adapter} (adapter_config.json missing)")
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        shutil.copyfile(adapter / name, out / name)
+    (out / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")
     return out
 
 

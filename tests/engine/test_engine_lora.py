@@ -234,3 +234,46 @@ async def test_unload_waits_for_in_flight_and_lru_skips_adapters_in_use(
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"
         assert sum(len(c["choices"][0]["delta"].get("content") or "") for c in chunks
                    if c["choices"]) > 0
+
+
+async def test_an_adapter_folder_with_a_chat_template_renders_its_requests(
+        engine: str, tiny_model_dir: Path, adapters: dict[str, Path], tmp_path: Path) -> None:
+    """A chat request naming an adapter whose folder has `chat_template.jinja` is rendered with
+    that template (the judge's ChatML without a system message), also after the LRU evicted
+    it; the base model and an adapter without one keep the model's own template."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    own = tmp_path / "templated"
+    shutil.copytree(adapters["a"], own)
+    template = ("{% for m in messages %}{{ '<<' + m['role'] + '>>' + m['content'] }}{% endfor %}"
+                "{% if add_generation_prompt %}{{ '<<assistant>>' }}{% endif %}")
+    (own / "chat_template.jinja").write_text(template, encoding="utf-8")
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    messages = [{"role": "user", "content": "rate this reply"}]
+    expected_own = tokenizer.encode("<<user>>rate this reply<<assistant>>",
+                                    add_special_tokens=False)
+    expected_base = tokenizer.encode(tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True), add_special_tokens=False)
+    assert expected_own != expected_base
+    async with httpx.AsyncClient(base_url=engine, timeout=120, headers=USER) as client:
+
+        async def prompt_of(lora: str | None) -> list[int]:
+            body: dict[str, Any] = {"messages": messages, "max_tokens": 1,
+                                    "return_token_ids": True}
+            if lora is not None:
+                body["lora_path"] = lora
+            r = await client.post("/v1/chat/completions", json=body)
+            assert r.status_code == 200, r.text
+            return list(r.json()["choices"][0]["prompt_token_ids"])
+
+        assert (await _load(client, "judge", own)).status_code == 200
+        assert (await _load(client, "a", adapters["a"])).status_code == 200
+        assert await prompt_of("judge") == expected_own
+        assert await prompt_of("a") == expected_base
+        assert await prompt_of(None) == expected_base
+        assert (await _load(client, "b", adapters["b"])).status_code == 200  # evicts judge
+        names = [m["id"] for m in (await client.get("/v1/models")).json()["data"][1:]]
+        assert "judge" not in names
+        assert await prompt_of("judge") == expected_own  # rendered as before, then reloaded
