@@ -135,14 +135,18 @@ PULLED_PROBE = "gate-probe.jsonl"
 # How a pulled model trains (trainer/config.py reads recipe.json's "train" as settings): a
 # LoRA adapter on the frozen base, published with `/load_lora_adapter` (trainer/
 # policy_adapter.py) rather than the whole model swapped in; an adapter starts at B = 0 and
-# moves only its low-rank factors, so it takes a larger step than full weights' 2e-5.
+# moves only its low-rank factors, so it takes a larger step than full weights' 2e-5: 1e-3,
+# at which one person at a person's pace got brief replies within 25 minutes while the gate
+# kept them on topic (2e-4 shortened them and reached none in as long; docs/results/
+# 2026-12-07-pace-adapter-1e-3.md).
 PULLED_RECIPE: dict[str, Any] = {"gate_probe": PULLED_PROBE,
-                                 "train": {"lora": {"enabled": True}, "adapter_lr": 2e-4}}
+                                 "train": {"lora": {"enabled": True}, "adapter_lr": 1e-3}}
 # What earlier pulls wrote (their probe had the facts only): a recipe equal to one of these is
 # brought up to date.
 EARLIER_RECIPES: list[dict[str, Any]] = [
     {"gate_probe": "probe.jsonl"},
-    {"gate_probe": "probe.jsonl", "train": {"lora": {"enabled": True}, "adapter_lr": 2e-4}}]
+    {"gate_probe": "probe.jsonl", "train": {"lora": {"enabled": True}, "adapter_lr": 2e-4}},
+    {"gate_probe": PULLED_PROBE, "train": {"lora": {"enabled": True}, "adapter_lr": 2e-4}}]
 
 
 def write_recipe(model_dir: Path) -> None:

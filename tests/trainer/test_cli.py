@@ -192,12 +192,15 @@ def test_a_pulled_model_learns_as_an_adapter_unless_told_otherwise(
     assert json.loads((model / "recipe.json").read_text()) == PULLED_RECIPE
     args = build_parser().parse_args(["--model", str(model)])
     got = resolve_settings(args).trainer
-    assert got.lora.enabled and got.lora.r == 16 and got.adapter_lr == 2e-4
+    assert got.lora.enabled and got.lora.r == 16 and got.adapter_lr == 1e-3
     assert got.gate_probe == model / "gate-probe.jsonl" and got.gate_probe.is_file()
 
     # Earlier pulls' recipes (the facts-only probe, then with the adapter): brought up to date.
     for earlier in ({"gate_probe": "probe.jsonl"},
-                    {"gate_probe": "probe.jsonl", "train": PULLED_RECIPE["train"]}):
+                    {"gate_probe": "probe.jsonl", "train": {"lora": {"enabled": True},
+                                                            "adapter_lr": 2e-4}},
+                    {"gate_probe": "gate-probe.jsonl", "train": {"lora": {"enabled": True},
+                                                                 "adapter_lr": 2e-4}}):
         (model / "recipe.json").write_text(json.dumps(earlier))
         write_recipe(model)
         assert json.loads((model / "recipe.json").read_text()) == PULLED_RECIPE

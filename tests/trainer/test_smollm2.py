@@ -494,7 +494,7 @@ def test_the_pulled_model_comes_with_its_sampling_and_its_gate(
     assert sum(bool(p.answers) for p in probe) == 40 and sum(bool(p.topic) for p in probe) == 40
     assert got.gate_max_drop == 0.05 and got.gate_max_topic_drop == 0.1
     # It learns as a LoRA adapter on the frozen base (trainer/policy_adapter.py).
-    assert got.lora.enabled and got.adapter_lr == 2e-4
+    assert got.lora.enabled and got.adapter_lr == 1e-3
 
 
 def test_the_gate_sees_replies_leave_the_question(smollm2_dir: Path) -> None:
