@@ -56,6 +56,10 @@ class ProbeItem:
         text = reply.lower()
         return any(re.search(rf"(?<![\w]){re.escape(w.lower())}", text) for w in self.topic)
 
+    def passes(self, reply: str) -> bool:
+        """The gate's verdict on `reply`: a fact answered right, an open question on topic."""
+        return is_right(reply, self.answers) if self.answers else self.on_topic(reply)
+
     def settled(self, reply: str) -> bool:
         """The verdict on `reply` can no longer change however the reply goes on: a fact
         answered right with a character after the answer (an answer at the very end might
@@ -144,16 +148,14 @@ def is_right(reply: str, answers: tuple[str, ...]) -> bool:
     return any(re.search(rf"(?<![\w.]){re.escape(a.lower())}(?![\w])", text) for a in answers)
 
 
-def eos_ids(model: Any, tokenizer: Any) -> set[int]:
-    """The tokens that end a reply: the tokenizer's and the generation config's."""
-    ids: set[int] = set()
-    for value in (tokenizer.eos_token_id,
-                  getattr(getattr(model, "generation_config", None), "eos_token_id", None)):
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, (list, tuple)):
-            ids.update(int(v) for v in value)
-    return ids
+def chat_prompts(tokenizer: Any, questions: list[str]) -> tuple[list[list[int]], int]:
+    """Each question as a one-message chat in the model's template, ready for its reply (the
+    token ids), and the id to pad with."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None \
+        else tokenizer.eos_token_id
+    return [tokenizer.encode(str(tokenizer.apply_chat_template(
+        [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)),
+        add_special_tokens=False) for q in questions], pad
 
 
 @torch.no_grad()
@@ -185,12 +187,9 @@ def greedy_replies(model: Any, tokenizer: Any, items: list[ProbeItem],
     """answer_all's decoding, the model already in eval mode."""
     from transformers import DynamicCache
 
-    texts = [str(tokenizer.apply_chat_template([{"role": "user", "content": item.question}],
-                                               add_generation_prompt=True, tokenize=False))
-             for item in items]
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None \
-        else tokenizer.eos_token_id
-    encoded = [tokenizer.encode(text, add_special_tokens=False) for text in texts]
+    from clawrl.engine.runtime import eos_ids
+
+    encoded, pad = chat_prompts(tokenizer, [item.question for item in items])
     device = model.device
     # What every prompt opens with (the chat template's system turn: 24 of SmolLM2's ~40
     # tokens) is computed once and its cache shared by every row; each row then reads its own
@@ -262,8 +261,8 @@ class Gate:
         batch, each row as long as its kind needs or until its verdict is settled."""
         replies = answer_all(model, self.tokenizer, self.facts + self.open)
         facts, opens = replies[:len(self.facts)], replies[len(self.facts):]
-        return ([is_right(r, item.answers) for r, item in zip(facts, self.facts, strict=True)],
-                [item.on_topic(r) for r, item in zip(opens, self.open, strict=True)])
+        return ([item.passes(r) for r, item in zip(facts, self.facts, strict=True)],
+                [item.passes(r) for r, item in zip(opens, self.open, strict=True)])
 
     def measure_base(self, model: Any) -> str:
         """The base model's figures, as a line for the log."""

@@ -510,7 +510,7 @@ def print_gate(args: argparse.Namespace) -> bool:
     """The gate's probe settled as the trainer asks it, against every reply decoded whole."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from trainer.gate import answer_all, is_right, load_probe
+    from trainer.gate import answer_all, load_probe
 
     model_dir = real_model(args)
     probe_path = model_dir / "gate-probe.jsonl"
@@ -535,8 +535,7 @@ def print_gate(args: argparse.Namespace) -> bool:
             seconds[name].append(time.perf_counter() - t0)
 
     def verdicts(texts: list[str]) -> list[bool]:
-        return [is_right(t, i.answers) if i.answers else i.on_topic(t)
-                for i, t in zip(items, texts, strict=True)]
+        return [i.passes(t) for i, t in zip(items, texts, strict=True)]
 
     def tokens(texts: list[str]) -> float:
         return statistics.mean(len(tokenizer.encode(t, add_special_tokens=False))
@@ -560,14 +559,9 @@ def print_gate(args: argparse.Namespace) -> bool:
 def hf_generate(model: Any, tokenizer: Any, questions: list[str]) -> list[str]:
     """The anchor: transformers' `generate`, greedy, one left-padded batch, every row to
     OPEN_TOKENS (or its end) — how the gate asked its probe before it settled rows."""
-    from trainer.gate import OPEN_TOKENS
+    from trainer.gate import OPEN_TOKENS, chat_prompts
 
-    texts = [str(tokenizer.apply_chat_template([{"role": "user", "content": q}],
-                                               add_generation_prompt=True, tokenize=False))
-             for q in questions]
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None \
-        else tokenizer.eos_token_id
-    encoded = [tokenizer.encode(text, add_special_tokens=False) for text in texts]
+    encoded, pad = chat_prompts(tokenizer, questions)
     width = max(map(len, encoded))
     ids = torch.tensor([[pad] * (width - len(e)) + e for e in encoded])
     mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in encoded])

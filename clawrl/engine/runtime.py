@@ -147,7 +147,7 @@ class Engine:
         self.config = model.config
         self.context_len = int(model.config.max_position_embeddings)
         self.vocab_size = int(model.config.vocab_size)
-        self.eos_ids = _eos_ids(model, self.tokenizer)
+        self.eos_ids = eos_ids(model, self.tokenizer)
         # Chat requests that leave these unset use the values generation_config.json sets
         # (not transformers' class defaults such as top_k=50), as SGLang does.
         diff = model.generation_config.to_diff_dict()
@@ -394,7 +394,8 @@ class Engine:
         }
 
 
-def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
+def eos_ids(model: Any, tokenizer: Any) -> set[int]:
+    """The tokens that end a reply: the generation config's and the tokenizer's."""
     ids: set[int] = set()
     for source in (model.generation_config.eos_token_id, tokenizer.eos_token_id):
         if isinstance(source, int):

@@ -529,7 +529,7 @@ def test_the_gate_settles_each_verdict_as_the_full_reply_would(smollm2_dir: Path
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from trainer.gate import answer_all, is_right, load_probe
+    from trainer.gate import answer_all, load_probe
 
     torch.set_num_threads(1)
     probe = load_probe(smollm2_dir / "gate-probe.jsonl")
@@ -539,11 +539,8 @@ def test_the_gate_settles_each_verdict_as_the_full_reply_would(smollm2_dir: Path
     whole = answer_all(model, tokenizer, items, settle=False)
     short = answer_all(model, tokenizer, items)
 
-    def verdict(item: Any, reply: str) -> bool:
-        return is_right(reply, item.answers) if item.answers else item.on_topic(reply)
-
-    assert [verdict(i, r) for i, r in zip(items, whole, strict=True)] == \
-        [verdict(i, r) for i, r in zip(items, short, strict=True)]
+    assert [i.passes(r) for i, r in zip(items, whole, strict=True)] == \
+        [i.passes(r) for i, r in zip(items, short, strict=True)]
     assert all(w.startswith(s) for w, s in zip(whole, short, strict=True)), (whole, short)
     assert sum(map(len, short)) < 0.7 * sum(map(len, whole))  # most settle early
-    assert sum(verdict(i, r) for i, r in zip(items, short, strict=True)) >= 10
+    assert sum(i.passes(r) for i, r in zip(items, short, strict=True)) >= 10
