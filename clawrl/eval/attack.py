@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from clawrl.eval.config import EvalConfig, attack_quota
+from clawrl.eval.config import EvalConfig, version_quota
 from clawrl.eval.rounds import (
     chat_wave,
     eval_client,
@@ -213,7 +213,7 @@ async def run_attack_rounds(config: EvalConfig, method: str, proxy_url: str, db_
     vocabulary = town_words(world)
     probe_prompts = probe_set(world, config.probes, config.seed)
     db = create_async(db_url)
-    quota = attack_quota(config, method)
+    quota = version_quota(config, method)
     users: list[SimUser] = []
     clients: list[Any] = []
     try:

@@ -28,13 +28,14 @@ NO_FAIR_SHARE = {"CLAWRL_TRAINER__USER_BATCH_SHARE": "1", "CLAWRL_TRAINER__USER_
                  "CLAWRL_TRAINER__USER_WINDOW_BATCHES": "0"}
 # The trainer's settings that bound one user's influence, turned off for `undefended`.
 UNDEFENDED_TRAINER: dict[str, str] = {**NO_FAIR_SHARE, "CLAWRL_TRAINER__LOSS_SHARE": "token"}
-# `defended`'s share of a version, said explicitly to the trainer (its defaults): a quota of
-# half a batch per user waiting, a quarter while the others have fewer, at most two batches.
-# The attack's rounds chat until every user waiting has a quota (`attack_quota`): a version
-# then holds what the plain eval's holds of each honest user.
-DEFENDED_SHARE = {"CLAWRL_TRAINER__USER_BATCH_SHARE": "0.25",
+# The product's share of a version, said explicitly to the trainer (its defaults), for
+# `defended` and the real-model eval's people: a quota of half a batch per user waiting, a
+# quarter while the others have fewer, at most two batches. Their rounds chat until every
+# user waiting has a quota (`version_quota`): the trainer's batch is then full (a version
+# of `--attack` holds what the plain eval's holds of each honest user).
+PRODUCT_SHARE = {"CLAWRL_TRAINER__USER_BATCH_SHARE": "0.25",
                   "CLAWRL_TRAINER__USER_QUOTA": "0.5"}
-DEFENDED_MAX_BATCH = 2  # × batch_size
+PRODUCT_MAX_BATCH = 2  # × batch_size
 # The tool-call track trains as `clawrl up` trains the tool-call model (trainer/config.py
 # TOOLS_RECIPE): its learning rate and the batch-mean baseline.
 TOOLCALL_LR = float(TOOLS_RECIPE["lr"])
@@ -143,10 +144,11 @@ class EvalConfig:
     everyday: bool = False
 
 
-def attack_quota(config: EvalConfig, method: str) -> int:
+def version_quota(config: EvalConfig, method: str) -> int:
     """The most samples of one user a version of `method`'s stack takes while others wait
-    (the trainer's quota, ⌊USER_QUOTA · batch_size⌋): `--attack`'s rounds chat until every
-    user with samples waiting has this many, when the trainer's batch is full."""
+    (the trainer's quota, ⌊USER_QUOTA · batch_size⌋): `--attack`'s and the real-model
+    eval's rounds chat until every user with samples waiting has this many, when the
+    trainer's batch is full (trainer/shares.py `full_size`)."""
     quota = float(stack_env(config, method)["CLAWRL_TRAINER__USER_QUOTA"])
     return max(1, int(quota * config.batch_size + 1e-9))
 
@@ -181,7 +183,11 @@ def stack_env(config: EvalConfig, method: str) -> dict[str, str]:
                 "CLAWRL_TRAINER__BATCH_SIZE": str(batch),
                 "CLAWRL_TRAINER__MICRO_BATCH_SIZE": str(min(4, batch)),
                 "CLAWRL_TRAINER__MAX_WAIT_S": str(FULL_BATCH_WAIT_S),
-                "CLAWRL_TRAINER__POLL_S": "0.5", "CLAWRL_TRAINER__SEED": str(config.seed)}
+                "CLAWRL_TRAINER__POLL_S": "0.5", "CLAWRL_TRAINER__SEED": str(config.seed),
+                # The people are users of one shared model: the product's fair share
+                **PRODUCT_SHARE,
+                "CLAWRL_TRAINER__MAX_BATCH_SIZE": str(PRODUCT_MAX_BATCH * batch),
+                "CLAWRL_TRAINER__USER_WINDOW_BATCHES": "0"}
     recipe = method_recipe(config, method)
     env = {"CLAWRL_JUDGE__CONCURRENCY": str(max(4, config.parallel * len(config.prefs)
                                                 * config.users_per_pref)),
@@ -207,7 +213,7 @@ def stack_env(config: EvalConfig, method: str) -> dict[str, str]:
         # `defended`: the product's share of a version, full batches as every method (a
         # version is full once each user waiting has a quota). No window: it bounds a user
         # per hour, and the eval's ten versions take minutes, each simulated user a crowd.
-        env.update(DEFENDED_SHARE, CLAWRL_TRAINER__MAX_BATCH_SIZE=str(DEFENDED_MAX_BATCH * batch),
+        env.update(PRODUCT_SHARE, CLAWRL_TRAINER__MAX_BATCH_SIZE=str(PRODUCT_MAX_BATCH * batch),
                    CLAWRL_TRAINER__USER_WINDOW_BATCHES="0")
     if config.mini_batches != 1:
         env["CLAWRL_TRAINER__MINI_BATCHES"] = str(config.mini_batches)

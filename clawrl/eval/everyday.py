@@ -34,7 +34,7 @@ from functools import cache, partial
 from pathlib import Path
 from typing import Any
 
-from clawrl.eval.config import EvalConfig
+from clawrl.eval.config import EvalConfig, version_quota
 from clawrl.eval.rounds import eval_client, serving_version, train_one_version, version_stats
 
 DATA = Path(__file__).with_name("data") / "everyday"
@@ -252,6 +252,7 @@ async def run_everyday_rounds(config: EvalConfig, method: str, proxy_url: str, d
 
     data = load()
     probes = data.split(probe_split(config))
+    quota = version_quota(config, method)
     db = create_async(db_url)
     people: list[Person] = []
     try:
@@ -263,10 +264,11 @@ async def run_everyday_rounds(config: EvalConfig, method: str, proxy_url: str, d
         for rnd in range(config.rounds + 1):
             if rnd > 0 and method == "none":
                 await _chat_wave(config, people, rnd, 0)
-            elif rnd > 0:
+            elif rnd > 0:  # chat until every person has a quota: the trainer's batch is full
                 await train_one_version(config, db, method, engine_url,
-                                        config.max_chats * -(-config.batch_size // 16),
-                                        partial(_chat_wave, config, people, rnd))
+                                        config.max_chats * -(-quota * len(people) // 16),
+                                        partial(_chat_wave, config, people, rnd),
+                                        per_user=quota if len(people) > 1 else None)
             version = await serving_version(engine_url)
             stats = await version_stats(db, version)
             seeds = [random.Random(f"probe-{config.seed}-{q.text}").randrange(2**31)

@@ -116,8 +116,8 @@ def test_attack_arguments_and_the_undefended_stack() -> None:
         return TrainerSettings(**{k.removeprefix("CLAWRL_TRAINER__").lower(): v
                                   for k, v in env.items() if k.startswith("CLAWRL_TRAINER__")})
 
-    assert evalconfig.attack_quota(config, "defended") == trainer(defended).share_rule.quota == 32
-    assert evalconfig.attack_quota(config, "undefended") == \
+    assert evalconfig.version_quota(config, "defended") == trainer(defended).share_rule.quota == 32
+    assert evalconfig.version_quota(config, "undefended") == \
         trainer(undefended).share_rule.quota == 64
     assert trainer(defended).share_rule == TrainerSettings(batch_size=64).share_rule
 

@@ -15,6 +15,8 @@ from openai import AsyncOpenAI
 from clawrl.eval import cli
 from clawrl.eval import config as evalconfig
 from clawrl.eval.everyday import DEFAULT_PREFS, PREFS, Person, load, satisfies
+from trainer.config import TrainerSettings
+from trainer.shares import full_size, user_limits
 
 
 def test_the_data_has_every_split_preference_and_follow_up() -> None:
@@ -105,6 +107,29 @@ def test_a_real_model_by_name_is_an_everyday_run() -> None:
     assert "CLAWRL_TRAINER__LR" not in env  # the model's recipe ...
     assert config.extra_env == {"CLAWRL_TRAINER__LR": "1e-05"}  # ... but what was asked
     assert not cli.parse_args([]).everyday
+
+
+def test_the_people_chat_until_the_trainers_batch_is_full() -> None:
+    """The people are users of one shared model, so the trainer draws them by the product's
+    fair share; a round chats until every person has a quota, which is exactly when the
+    trainer's batch is full (else each round waited out the trainer's MAX_WAIT_S)."""
+    config = cli.parse_args(["--model", "smollm2-135m"])
+    env = evalconfig.stack_env(config, "combine")
+    settings = TrainerSettings(**{k.removeprefix("CLAWRL_TRAINER__").lower(): v
+                                  for k, v in env.items() if k.startswith("CLAWRL_TRAINER__")})
+    rule = settings.share_rule
+    assert rule == TrainerSettings(batch_size=config.batch_size).share_rule  # the defaults
+    quota = evalconfig.version_quota(config, "combine")
+    people = len(config.prefs)
+    assert quota == rule.quota == config.batch_size // 2
+    # every person waiting with a quota fills the batch; one short of it does not
+    def drawn(waiting: dict[int, int]) -> int:
+        return sum(min(n, limit) for n, limit in zip(
+            waiting.values(), user_limits(waiting, rule).values(), strict=True))
+
+    waiting = {user: quota for user in range(people)}
+    assert drawn(waiting) == full_size(people, rule) == quota * people
+    assert drawn({**waiting, 0: quota - 1}) < full_size(people, rule)
 
 
 def test_a_real_model_takes_no_tiny_world_options(capsys: pytest.CaptureFixture[str]) -> None:
