@@ -23,7 +23,6 @@ from clawrl.cli.stack import (
     StackError,
     judge_engine_env,
     pull_named_model,
-    share_cores,
     wait_healthy,
 )
 from clawrl.eval.agents import run_agent_rounds
@@ -97,7 +96,9 @@ def run_method(config: EvalConfig, method: str,
            "CLAWRL_ENGINE__URL": engine_url, "CLAWRL_PROXY__HOST": HOST,
            "CLAWRL_PROXY__PORT": str(proxy_port), "PYTHONUNBUFFERED": "1",
            **stack_env(config, method), **config.extra_env}
-    share_cores(env)
+    # A round's phases take turns (chat and judge, then train and gate, then probe): while
+    # the trainer works the engines wait, so it takes every core, unless the user chose.
+    env.setdefault("CLAWRL_TRAINER__THREADS", str(os.cpu_count() or 1))
     stack = Stack(state, env)
     try:
         engine = stack.start("engine", ["engine", "--model", str(config.model.resolve()),
