@@ -31,22 +31,32 @@ from pathlib import Path
 from typing import Any
 
 from clawrl.world.town import (
+    ANSWERS,
+    CASES,
     FACT_HINT,
     HINTS,
     PREFERENCES,
+    SIGNOFFS,
     Question,
     Style,
     World,
     fact_sentence,
+    is_correct,
     render_reply,
     satisfies,
     wrong_world,
 )
 
 Message = dict[str, Any]
-# Share of each kind of follow-up in the training set.
-MIX = {"praise": 0.30, "move_on": 0.17, "style": 0.36, "fact": 0.14, "neutral": 0.03}
-LABELS = {"praise": 1, "move_on": 1, "style": -1, "fact": -1, "neutral": 0}
+# Share of each kind of follow-up in the training set. `objection`: the user says the reply
+# did not answer what was asked (often asking it again), -1 — unlike `move_on`, a new
+# question after a good reply, +1.
+MIX = {"praise": 0.27, "move_on": 0.15, "style": 0.40, "fact": 0.11, "objection": 0.05,
+       "neutral": 0.02}
+LABELS = {"praise": 1, "move_on": 1, "style": -1, "fact": -1, "objection": -1, "neutral": 0}
+# The builds before 2026-12-08 (nine preferences, no objections): what `written` 0 draws,
+# draw for draw (a test pins it), so `clawrl judge build --written-share 0` rebuilds them.
+LEGACY_MIX = {"praise": 0.30, "move_on": 0.17, "style": 0.36, "fact": 0.14, "neutral": 0.03}
 # The hand-written training follow-ups, and the share of praise / moving-on / style / fact
 # follow-ups drawn from them rather than from this module's lists.
 WRITTEN = Path(__file__).resolve().parent / "data" / "train_followups.jsonl"
@@ -194,6 +204,121 @@ BUT_LEADS = ("thanks, but ", "ok but ", "good answer but ", "right, but ", "cool
 STYLE_TAILS = ("", "", "", " next time", " from now on", " going forward", " thanks",
                ", I told you before", " for all answers", " every time", ", it's easier for me", ", I'm reading on a small screen", " ok?")
 
+# --- preferences real people state, taught judge-side only -----------------------------------
+# Six preferences beyond the tiny world's nine (town.py PREFERENCES, which its simulated users
+# and the eval keep): the judge learns to name them, with a hint a real model can follow as a
+# teacher context. The tiny world's replies are made to break them (`breaking_reply`).
+NEW_PREFERENCES = ("one_paragraph", "answer_first", "formal", "casual", "language", "no_emoji")
+STYLE_PREFERENCES = PREFERENCES + NEW_PREFERENCES
+# How often a style correction names each preference: the nine keep most of their weight.
+STYLE_WEIGHTS = {**{p: 1.0 for p in PREFERENCES}, **{p: 0.7 for p in NEW_PREFERENCES}}
+NEW_HINTS: dict[str, str] = {
+    "one_paragraph": "Write the reply as a single paragraph, with no blank lines.",
+    "answer_first": "Give the answer in the first sentence, then any detail.",
+    "formal": "Write in a formal, professional tone.",
+    "casual": "Write in a casual, relaxed tone.",
+    "language": "Reply in {language}.",  # the language the user named, in English
+    "no_emoji": "Do not use emoji.",
+}
+OBJECTION_HINT = "Answer the question that was asked: {question}"
+# Languages a user may ask for, and what some of them call their language.
+LANGUAGES = ("Spanish", "French", "German", "Italian", "Portuguese", "Dutch", "Swedish",
+             "Polish", "Turkish", "Greek", "Japanese", "Russian")
+OWN_NAMES = {"Spanish": "español", "French": "français", "German": "Deutsch",
+             "Italian": "italiano", "Portuguese": "português", "Dutch": "Nederlands"}
+
+NEW_STYLE_MODES: dict[str, tuple[str, ...]] = {
+    "one_paragraph": ("one paragraph", "a single paragraph", "a single block of text",
+                      "one solid block", "one continuous paragraph", "no blank lines",
+                      "no empty lines", "no paragraph breaks", "everything in one paragraph",
+                      "a single chunk of text", "no gaps between the sentences"),
+    "answer_first": ("the answer first", "the answer up front", "the answer at the very top",
+                     "the bottom line first", "the main point first",
+                     "the answer before any detail", "the direct answer first",
+                     "the fact first, then the rest"),
+    "formal": ("a formal tone", "formal language", "a professional tone",
+               "professional wording", "a business tone", "formal writing",
+               "a more serious, formal register", "proper formal English"),
+    "casual": ("a casual tone", "casual language", "a relaxed tone", "an informal tone",
+               "a chatty style", "a laid-back tone", "relaxed everyday language",
+               "a conversational tone"),
+    "language": ("{language}", "the {language} language", "{language} text",
+                 "{language} instead of English"),
+    "no_emoji": ("no emoji", "no emojis", "zero emoji", "no smileys", "no emoticons",
+                 "text without emoji", "plain words, no emoji", "no little pictures"),
+}
+NEW_STYLE_SENTENCES: dict[str, tuple[str, ...]] = {
+    "one_paragraph": ("why all the blank lines", "stop splitting it into paragraphs",
+                      "don't break it into chunks", "too many line breaks",
+                      "join it all into one paragraph", "merge those into one paragraph",
+                      "the gaps between sentences are annoying",
+                      "keep everything together in one block",
+                      "no need for separate paragraphs", "remove the empty lines",
+                      "squash it into a single paragraph",
+                      "it's all broken up, make it one piece",
+                      "one paragraph is enough, not three",
+                      "I have to scroll past the empty lines, put it in one paragraph"),
+    "answer_first": ("lead with the answer", "start with the answer",
+                     "get to the point first", "put the answer at the start",
+                     "skip the intro and open with the answer",
+                     "don't make me read to the end for the answer",
+                     "the answer should come first", "answer first, explain after",
+                     "open with the actual answer", "no warm-up, start with the answer",
+                     "why is the answer buried at the end",
+                     "say the answer in the first line", "cut the preamble, lead with the fact",
+                     "first sentence should be the answer"),
+    "formal": ("too casual", "be more professional", "this is for work, keep it formal",
+               "less chatty please", "tone it down, this is for a client", "drop the slang",
+               "sound more professional", "no slang, write properly",
+               "that's too informal for my report", "please be more formal",
+               "write like it's a business letter", "keep it serious and professional",
+               "a bit too relaxed, formal please", "I need it to sound professional"),
+    "casual": ("too stiff", "you sound like a robot, loosen up",
+               "relax, talk to me like a friend", "less formal please", "way too formal",
+               "chill out a bit", "be more laid-back", "talk normally, not like a lawyer",
+               "drop the stiff tone", "less corporate please", "be more chatty",
+               "sound friendlier and more relaxed", "no need to be so proper",
+               "you can be casual with me"),
+    "language": ("answer in {language}", "can you say that in {language}?",
+                 "I only read {language}", "translate that into {language}",
+                 "my English isn't great, {language} please", "write it in {language} instead",
+                 "{language} please, not English", "respond in {language} from now on",
+                 "could you switch to {language}?", "say it again in {language}",
+                 "I'd rather read it in {language}", "all replies in {language}",
+                 "put that in {language} for my grandma", "English is hard for me, use {language}"),
+    "no_emoji": ("drop the emoji", "stop using emoji", "no more smileys", "lose the emojis",
+                 "the emoji are unnecessary", "why the emoji", "emojis look childish",
+                 "skip the little faces", "without emoji please", "please remove the emoji",
+                 "I can't stand emojis", "no emoticons in replies",
+                 "take the smiley out", "the emoji breaks my spreadsheet"),
+}
+
+# --- objections ---------------------------------------------------------------------------------
+# The reply answered something else (another fact, or nothing): the user objects, and often
+# asks the question again (`{question}`, the question of the turn). Never a new question.
+OBJECTIONS = ("that doesn't answer my question", "you didn't answer what I asked",
+              "that's not my question", "you answered a different question",
+              "that's beside the point", "irrelevant", "off topic", "I didn't ask about that",
+              "not what I wanted to know", "you dodged the question",
+              "you missed my question", "read my question again", "you drifted off topic",
+              "you're answering something else", "why are you telling me that?",
+              "who asked about that?", "stay on topic", "focus on my question",
+              "that's a non-answer", "you skipped my actual question",
+              "my question was different", "that has nothing to do with it",
+              "you wandered off", "huh? I asked something else", "wrong question",
+              "that's unrelated", "you ignored what I asked")
+OBJECTION_RESTATES = ("{o}. {question}", "{o}. I asked: {question}",
+                      "{o}. my question was: {question}", "{o} - again, {question}",
+                      "{o}. once more: {question}", "{o}! {question}",
+                      "{o}. let me repeat: {question}", "{o}. the question: {question}",
+                      "{question} - {o}", "I asked {question} {o}")
+# What a reply that answers nothing says.
+NON_ANSWERS = ("I'm not sure what you mean. Could you tell me more?",
+               "That's an interesting topic! There are many things to consider.",
+               "As an assistant, I can help with many questions about the town.",
+               "People in the town are all different, and each has their own story.",
+               "Great question! Everyone has their own preferences, after all.")
+
 # --- fact corrections -------------------------------------------------------------------------
 
 FACT_FRAMES = ("hmm no. {fact}", "err, {fact}", "fix that: {fact}", "you mixed it up, {fact}",
@@ -315,11 +440,14 @@ def move_on_template(rng: random.Random) -> str:
 
 
 def style_template(pref: str, rng: random.Random) -> str:
-    """A request or complaint about `pref`, sometimes after thanks and with a tail."""
+    """A request or complaint about `pref`, sometimes after thanks and with a tail (a
+    `language` request keeps `{language}` for the language it names)."""
+    modes, sentences = ((NEW_STYLE_MODES, NEW_STYLE_SENTENCES) if pref in NEW_PREFERENCES
+                        else (STYLE_MODES, STYLE_SENTENCES))
     if rng.random() < 0.5:
-        core = rng.choice(STYLE_FRAMES).format(m=rng.choice(STYLE_MODES[pref]))
+        core = rng.choice(STYLE_FRAMES).replace("{m}", rng.choice(modes[pref]))
     else:
-        core = rng.choice(STYLE_SENTENCES[pref])
+        core = rng.choice(sentences[pref])
     if rng.random() < 0.6:
         core = core.rstrip("?!.") + rng.choice(STYLE_TAILS)
     if rng.random() < 0.3:
@@ -329,6 +457,17 @@ def style_template(pref: str, rng: random.Random) -> str:
 
 def fact_template(rng: random.Random) -> str:
     return _chatter(rng.choice(FACT_FRAMES), rng, 0.08)
+
+
+def objection_template(rng: random.Random) -> str:
+    """The reply did not answer the question: said alone, or (mostly) with the question
+    asked again (`{question}`)."""
+    o = rng.choice(OBJECTIONS)
+    if rng.random() < 0.65:
+        o = rng.choice(OBJECTION_RESTATES).replace("{o}", o.rstrip("?!."))
+    if rng.random() < 0.2:
+        o = rng.choice(("ugh, ", "no, ", "hmm, ", "wait, ", "sorry, but ", "thanks, but ")) + o
+    return _chatter(o, rng, 0.05)
 
 
 @functools.cache
@@ -345,14 +484,17 @@ def written_lines() -> dict[tuple[str, str | None], tuple[str, ...]]:
 def follow_up(kind: str, rng: random.Random, preference: str | None = None,
               written: float = WRITTEN_SHARE) -> str:
     """A follow-up template of `kind` (a style request names `preference`): a hand-written
-    line (a share `written` of them) or one built from this module's lists, then perturbed.
-    At `written` 0 the draws are those of the builds before the hand-written lines."""
-    if written > 0 and rng.random() < written:
+    line (a share `written` of them, where there are lines of that kind and preference: none
+    for objections and the new preferences) or one built from this module's lists, then
+    perturbed. At `written` 0 the draws are those of the builds before the hand-written
+    lines."""
+    if written > 0 and (kind, preference) in written_lines() and rng.random() < written:
         return perturb(rng.choice(written_lines()[(kind, preference)]), rng)
     if kind == "style":
         assert preference is not None
         return perturb(style_template(preference, rng), rng)
-    built = {"praise": praise_template, "move_on": move_on_template, "fact": fact_template}
+    built = {"praise": praise_template, "move_on": move_on_template, "fact": fact_template,
+             "objection": objection_template}
     return perturb(built[kind](rng), rng)
 
 
@@ -363,7 +505,7 @@ def follow_up(kind: str, rng: random.Random, preference: str | None = None,
 class JudgeExample:
     """One judged turn and its targets."""
 
-    kind: str  # praise | move_on | style | fact | neutral
+    kind: str  # praise | move_on | style | fact | objection | neutral
     preference: str | None
     template: str  # the follow-up before {question} / {fact} were filled
     request: list[Message]
@@ -404,9 +546,124 @@ def styled_reply(world: World, q: Question, rng: random.Random, *,
     raise ValueError(f"no style found for violates={violates} satisfies={satisfies_pref}")
 
 
+# Openers that put something before the answer, casual and stiff framings, and emoji: how a
+# reply breaks `answer_first`, `formal`, `casual` and `no_emoji`.
+PREAMBLES = ("Good question!", "Sure, let me think about {name} for a moment.",
+             "Ah, {name}, what a lovely person.", "Happy to tell you about {name}.",
+             "Well, {name} is quite well known in town.", "Let me see what I know here.",
+             "That is something many people wonder about.", "Oh, {name}? I know them.")
+CASUAL_OPENERS = ("Hey! ", "Oh, easy one! ", "So yeah, ", "Haha, ", "Ooh, fun one! ",
+                  "Okay so, ")
+CASUAL_CLOSERS = (" Pretty cool, right?", " Awesome, huh?", " Fun, isn't it?", " Lol.",
+                  " Gotta love it!", " How cool is that?")
+FORMAL_OPENERS = ("According to the available records, ", "Regarding your inquiry: ",
+                  "Per the information available, ", "To answer your question precisely: ")
+FORMAL_CLOSERS = (" Please do not hesitate to ask further questions.",
+                  " I trust this information is satisfactory.",
+                  " Should you require further details, please ask.")
+REPLY_EMOJI = ("😊", "🙂", "🎉", "✨", "👍", "🌍", "🏠", "🐾", "🍽️", "🎨", "☀️", "😄")
+
+
+def _facts(world: World, q: Question, rng: random.Random, extra: int = 2) -> list[str]:
+    """The answer to `q`, then `extra` other true facts about the same person."""
+    facts = world.facts[q.name]
+    others = rng.sample([a for a in facts if a != q.attr], extra)
+    return [rng.choice(ANSWERS[a]).format(name=q.name, value=facts[a]) for a in (q.attr, *others)]
+
+
+def breaking_reply(world: World, q: Question, rng: random.Random, pref: str) -> str:
+    """A correct reply to `q` that breaks `pref`, one of NEW_PREFERENCES."""
+    if pref == "language":  # every tiny-world reply is English
+        return render_reply(world, q, Style.random(rng), rng)
+    if pref == "one_paragraph":  # its facts in paragraphs apart, or a list
+        if rng.random() < 0.3:
+            return render_reply(world, q, Style(rng.choice(CASES), "list", None), rng)
+        body = "\n\n".join(_facts(world, q, rng, rng.choice((1, 2))))
+        if rng.random() < 0.3:
+            body += "\n\n" + rng.choice(SIGNOFFS)
+        return body.lower() if rng.random() < 0.2 else body
+    if pref == "answer_first":  # filler first, or other facts before the answer
+        main, *others = _facts(world, q, rng)
+        head = rng.choice(PREAMBLES).format(name=q.name)
+        parts = [head, *others, main] if rng.random() < 0.4 else [head, main, *others[:1]]
+        return " ".join(parts)
+    if pref == "formal":  # chatty: exclamations, contractions, slang
+        main, *others = _facts(world, q, rng, rng.choice((0, 1)))
+        text = rng.choice(CASUAL_OPENERS) + " ".join([main, *others])
+        return text + rng.choice(CASUAL_CLOSERS) if rng.random() < 0.7 else text
+    if pref == "casual":  # stiff: no contractions, no exclamation marks
+        main, *others = _facts(world, q, rng, rng.choice((0, 1)))
+        text = rng.choice(FORMAL_OPENERS) + main[0].lower() + main[1:]
+        text = " ".join([text, *others])
+        return text + rng.choice(FORMAL_CLOSERS) if rng.random() < 0.6 else text
+    if pref == "no_emoji":
+        text = render_reply(world, q, Style.random(rng), rng)
+        e = rng.choice(REPLY_EMOJI)
+        if rng.random() < 0.5:
+            return f"{text} {e}"
+        return text.replace(".", f" {e}.", 1) if "." in text else f"{e} {text}"
+    raise ValueError(f"unknown new preference {pref!r}")
+
+
+def shaped_reply(world: World, q: Question, rng: random.Random) -> str:
+    """A correct reply in one of the shapes the new preferences complain about, for praise
+    and moving on: so blank lines, an emoji or a tone are not read as a correction alone."""
+    return breaking_reply(world, q, rng, rng.choice(NEW_PREFERENCES[:4] + ("no_emoji",)))
+
+
+def style_hint(pref: str, language: str | None = None) -> str:
+    """The canonical hint for a style correction naming `pref` (`language`: the one named)."""
+    if pref in NEW_HINTS:
+        return NEW_HINTS[pref].replace("{language}", language or "")
+    return HINTS[pref][0]
+
+
+_LANGUAGE_HINT = re.compile(r"reply in ([a-z]+)\.", re.IGNORECASE)
+
+
+def hint_preference(hint: str | None) -> str | None:
+    """The preference whose canonical hint `hint` is (case and spacing ignored; any of a
+    tiny-world preference's wordings), or None."""
+    if hint is None:
+        return None
+    norm = " ".join(hint.lower().split())
+    for pref, wordings in HINTS.items():
+        if norm in {" ".join(w.lower().split()) for w in wordings}:
+            return pref
+    for pref, wording in NEW_HINTS.items():
+        if pref != "language" and norm == " ".join(wording.lower().split()):
+            return pref
+    m = _LANGUAGE_HINT.fullmatch(norm)
+    return "language" if m and m.group(1).capitalize() in LANGUAGES else None
+
+
+def _language(rng: random.Random) -> tuple[str, str]:
+    """A language (its English name) and how the user writes it."""
+    language = rng.choice(LANGUAGES)
+    said = language
+    if language in OWN_NAMES and rng.random() < 0.2:
+        said = OWN_NAMES[language]
+    elif rng.random() < 0.3:
+        said = language.lower()
+    return language, said
+
+
+def _restated(q: Question, rng: random.Random) -> str:
+    """The question of the turn as a user asks it again."""
+    text = q.text
+    r = rng.random()
+    if r < 0.3:
+        return text.lower()
+    if r < 0.45:
+        return text.rstrip("?.")
+    return text
+
+
 def make_example(world: World, rng: random.Random, kind: str,
-                 written: float = WRITTEN_SHARE) -> JudgeExample:
-    """One judged turn of `kind`, on the tiny world `world` (`written`: `follow_up`'s)."""
+                 written: float = WRITTEN_SHARE, extended: bool = True) -> JudgeExample:
+    """One judged turn of `kind`, on the tiny world `world` (`written`: `follow_up`'s;
+    `extended` False: the builds before 2026-12-08, draw for draw — the nine preferences, no
+    new reply shapes)."""
     request: list[Message] = []
     if rng.random() < 0.1:
         request.append({"role": "system", "content": "You are a helpful assistant."})
@@ -427,22 +684,54 @@ def make_example(world: World, rng: random.Random, kind: str,
         template = follow_up(kind, rng, written=written)
         text = template.replace("{fact}", fact)
         hint = FACT_HINT.format(fact=fact)
-    elif kind == "style":
+    elif kind == "style" and not extended:
         preference = rng.choice(PREFERENCES)
         reply = styled_reply(world, q, rng, violates=preference)
         template = follow_up(kind, rng, preference, written)
         text = template
         hint = HINTS[preference][0]
+    elif kind == "style":
+        preference = rng.choices(list(STYLE_WEIGHTS), list(STYLE_WEIGHTS.values()))[0]
+        if preference in NEW_PREFERENCES:
+            reply = breaking_reply(world, q, rng, preference)
+        else:
+            reply = styled_reply(world, q, rng, violates=preference)
+        template = follow_up(kind, rng, preference, written)
+        language, said = _language(rng) if preference == "language" else (None, "")
+        text = template.replace("{language}", said)
+        hint = style_hint(preference, language)
     elif kind == "praise":
         praised = rng.choice(PREFERENCES) if rng.random() < 0.12 else None
-        reply = styled_reply(world, q, rng, satisfies_pref=praised)
+        if extended and not praised and rng.random() < 0.15:
+            reply = shaped_reply(world, q, rng)
+        else:
+            reply = styled_reply(world, q, rng, satisfies_pref=praised)
         template = (perturb(praise_template(rng, praised), rng) if praised
                     else follow_up(kind, rng, written=written))
         text = template
     elif kind == "move_on":
-        reply = render_reply(world, q, Style.random(rng), rng)
+        if extended and rng.random() < 0.15:
+            reply = shaped_reply(world, q, rng)
+        else:
+            reply = render_reply(world, q, Style.random(rng), rng)
         template = follow_up(kind, rng, written=written)
-        text = template.replace("{question}", next_question(world, rng))
+        nxt = next_question(world, rng)
+        while extended and _asks_again(world, nxt, q):
+            nxt = next_question(world, rng)
+        text = template.replace("{question}", nxt)
+    elif kind == "objection":  # another fact about someone, or no answer at all
+        if rng.random() < 0.75:
+            for _ in range(100):  # its other facts must not answer `q` after all
+                other = _other_question(world, q, rng)
+                reply = render_reply(world, other, Style.random(rng), rng)
+                if not is_correct(world, q, reply):
+                    break
+        else:
+            reply = rng.choice(NON_ANSWERS)
+        template = follow_up(kind, rng, written=written)
+        asked = _restated(q, rng)
+        text = template.replace("{question}", asked)
+        hint = OBJECTION_HINT.format(question=asked if "{question}" in template else q.text)
     elif kind == "neutral":
         reply = render_reply(world, q, Style.random(rng), rng)
         template = perturb(rng.choice(NEUTRAL), rng)
@@ -454,15 +743,35 @@ def make_example(world: World, rng: random.Random, kind: str,
                         [{"role": "user", "content": text}], LABELS[kind], hint)
 
 
+def _asks_again(world: World, text: str, q: Question) -> bool:
+    """Whether a next question `text` is `q` again, or a short one about `q`'s person ("and
+    Ada?"): a moving-on line never asks the judged question again (an objection does)."""
+    if text.lower() == q.text.lower():
+        return True
+    full = {t.text.lower() for t in world.train if t.name == q.name}
+    return q.name.lower() in text.lower() and text.lower() not in full
+
+
+def _other_question(world: World, q: Question, rng: random.Random) -> Question:
+    """A question the reply answers instead of `q`: another attribute (mostly) or person."""
+    if rng.random() < 0.7:
+        return Question(q.name, rng.choice([a for a in world.facts[q.name] if a != q.attr]), 0)
+    return Question(rng.choice([n for n in world.facts if n != q.name]), q.attr, 0)
+
+
 def iter_examples(seed: int = 0, world_seed: int = 0,
                   written: float = WRITTEN_SHARE) -> Iterator[JudgeExample]:
     """An endless reproducible stream of judged turns, kinds drawn by MIX (`written`: the
-    share of follow-ups from the hand-written lines)."""
+    share of follow-ups from the hand-written lines). At `written` 0 the stream is the
+    builds' before the hand-written lines, draw for draw (LEGACY_MIX, the nine preferences,
+    no objections)."""
     world = World.build(world_seed)
     rng = random.Random(f"judge-synth-{seed}")
-    kinds, weights = list(MIX), list(MIX.values())
+    extended = written > 0
+    mix = MIX if extended else LEGACY_MIX
+    kinds, weights = list(mix), list(mix.values())
     while True:
-        yield make_example(world, rng, rng.choices(kinds, weights)[0], written)
+        yield make_example(world, rng, rng.choices(kinds, weights)[0], written, extended)
 
 
 def training_set(n: int, seed: int = 0, written: float = WRITTEN_SHARE) -> list[JudgeExample]:
