@@ -49,7 +49,13 @@ from clawrl.judgemodel.model import (
     base_dir,
     prompts,
 )
-from clawrl.judgemodel.synth import WRITTEN_SHARE, agent_set, training_set
+from clawrl.judgemodel.synth import (
+    NEW_HINTS,
+    OBJECTION_HINT,
+    WRITTEN_SHARE,
+    agent_set,
+    training_set,
+)
 from clawrl.world.town import FACT_HINT, HINTS
 
 
@@ -89,8 +95,11 @@ class AgentStage:
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _BOX = "\\boxed{"
 # The hints the judge is taught to write (clawrl/judgemodel/synth.py): the tiny world's
-# canonical style hints and the fact hint's fixed head.
-_CANONICAL = tuple(wordings[0] for wordings in HINTS.values()) + (FACT_HINT.split("{")[0],)
+# canonical style hints, the judge-side ones for the preferences beyond them, and the fixed
+# heads of the fact, language and objection hints.
+_CANONICAL = (tuple(wordings[0] for wordings in HINTS.values())
+              + tuple(h.split("{")[0] for h in NEW_HINTS.values())
+              + (FACT_HINT.split("{")[0], OBJECTION_HINT.split("{")[0]))
 
 Row = tuple[list[int], int, list[int]]  # ids, answer tokens at the end, decisive indices
 

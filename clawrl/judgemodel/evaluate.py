@@ -53,6 +53,7 @@ from clawrl.judgemodel.synth import (
     styled_reply,
     training_set,
 )
+from clawrl.judgemodel.synth import hint_preference as canonical_preference
 from clawrl.world.town import HINTS, Style, World, fact_sentence, render_reply, wrong_world
 from judge.backends import ChatBackend, http_client
 from judge.config import JUDGE_MODEL_SETTINGS, JudgeSettings
@@ -173,14 +174,10 @@ def agent_cases(n: int) -> list[Case]:
 
 
 def hint_preference(hint: str | None) -> str | None:
-    """The preference whose canonical hint this is (case and spacing ignored), or None."""
-    if hint is None:
-        return None
-    norm = " ".join(hint.lower().split())
-    for pref, wordings in HINTS.items():
-        if norm in {" ".join(w.lower().split()) for w in wordings}:
-            return pref
-    return None
+    """The preference whose canonical hint this is (case and spacing ignored), or None: the
+    tiny world's nine (`HINTS`) and those the judge is taught beside them (synth.py
+    `NEW_HINTS`, e.g. "Reply in Spanish.")."""
+    return canonical_preference(hint)
 
 
 def start_engine(model: Path, port: int, threads: int, log: Path,

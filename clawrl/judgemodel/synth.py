@@ -232,7 +232,7 @@ NEW_STYLE_MODES: dict[str, tuple[str, ...]] = {
                       "one solid block", "one continuous paragraph", "no blank lines",
                       "no empty lines", "no paragraph breaks", "everything in one paragraph",
                       "a single chunk of text", "no gaps between the sentences"),
-    "answer_first": ("the answer first", "the answer up front", "the answer at the very top",
+    "answer_first": ("the answer first", "the answer in the opening line",
                      "the bottom line first", "the main point first",
                      "the answer before any detail", "the direct answer first",
                      "the fact first, then the rest"),
@@ -242,9 +242,9 @@ NEW_STYLE_MODES: dict[str, tuple[str, ...]] = {
     "casual": ("a casual tone", "casual language", "a relaxed tone", "an informal tone",
                "a chatty style", "a laid-back tone", "relaxed everyday language",
                "a conversational tone"),
-    "language": ("{language}", "the {language} language", "{language} text",
+    "language": ("the {language} language", "{language} text",
                  "{language} instead of English"),
-    "no_emoji": ("no emoji", "no emojis", "zero emoji", "no smileys", "no emoticons",
+    "no_emoji": ("no emoji", "zero emoji", "no smileys", "no emoticons",
                  "text without emoji", "plain words, no emoji", "no little pictures"),
 }
 NEW_STYLE_SENTENCES: dict[str, tuple[str, ...]] = {
@@ -259,7 +259,7 @@ NEW_STYLE_SENTENCES: dict[str, tuple[str, ...]] = {
                       "one paragraph is enough, not three",
                       "I have to scroll past the empty lines, put it in one paragraph"),
     "answer_first": ("lead with the answer", "start with the answer",
-                     "get to the point first", "put the answer at the start",
+                     "put the answer at the start",
                      "skip the intro and open with the answer",
                      "don't make me read to the end for the answer",
                      "the answer should come first", "answer first, explain after",
@@ -272,7 +272,7 @@ NEW_STYLE_SENTENCES: dict[str, tuple[str, ...]] = {
                "sound more professional", "no slang, write properly",
                "that's too informal for my report", "please be more formal",
                "write like it's a business letter", "keep it serious and professional",
-               "a bit too relaxed, formal please", "I need it to sound professional"),
+               "too loose for a cover letter", "I need it to sound professional"),
     "casual": ("too stiff", "you sound like a robot, loosen up",
                "relax, talk to me like a friend", "less formal please", "way too formal",
                "chill out a bit", "be more laid-back", "talk normally, not like a lawyer",
@@ -286,7 +286,7 @@ NEW_STYLE_SENTENCES: dict[str, tuple[str, ...]] = {
                  "could you switch to {language}?", "say it again in {language}",
                  "I'd rather read it in {language}", "all replies in {language}",
                  "put that in {language} for my grandma", "English is hard for me, use {language}"),
-    "no_emoji": ("drop the emoji", "stop using emoji", "no more smileys", "lose the emojis",
+    "no_emoji": ("drop the emoji", "stop using emoji", "no more smileys", "scrap the emoji",
                  "the emoji are unnecessary", "why the emoji", "emojis look childish",
                  "skip the little faces", "without emoji please", "please remove the emoji",
                  "I can't stand emojis", "no emoticons in replies",
@@ -298,9 +298,9 @@ NEW_STYLE_SENTENCES: dict[str, tuple[str, ...]] = {
 # asks the question again (`{question}`, the question of the turn). Never a new question.
 OBJECTIONS = ("that doesn't answer my question", "you didn't answer what I asked",
               "that's not my question", "you answered a different question",
-              "that's beside the point", "irrelevant", "off topic", "I didn't ask about that",
+              "that's beside the point", "irrelevant", "off topic", "nobody asked for that fact",
               "not what I wanted to know", "you dodged the question",
-              "you missed my question", "read my question again", "you drifted off topic",
+              "you missed my question", "go back and reread my question", "you drifted off topic",
               "you're answering something else", "why are you telling me that?",
               "who asked about that?", "stay on topic", "focus on my question",
               "that's a non-answer", "you skipped my actual question",
@@ -590,7 +590,7 @@ def breaking_reply(world: World, q: Question, rng: random.Random, pref: str) -> 
     if pref == "formal":  # chatty: exclamations, contractions, slang
         main, *others = _facts(world, q, rng, rng.choice((0, 1)))
         text = rng.choice(CASUAL_OPENERS) + " ".join([main, *others])
-        return text + rng.choice(CASUAL_CLOSERS) if rng.random() < 0.7 else text
+        return text + rng.choice(CASUAL_CLOSERS) if rng.random() < 0.7 else text[:-1] + "!"
     if pref == "casual":  # stiff: no contractions, no exclamation marks
         main, *others = _facts(world, q, rng, rng.choice((0, 1)))
         text = rng.choice(FORMAL_OPENERS) + main[0].lower() + main[1:]

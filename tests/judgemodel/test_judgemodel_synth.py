@@ -16,17 +16,29 @@ from clawrl.judgemodel.build import AgentStage, BuildConfig
 from clawrl.judgemodel.model import PROMPT_VERSION, prompts
 from clawrl.judgemodel.synth import (
     AGENT_LABELS,
+    LANGUAGES,
     MIX,
+    NEW_HINTS,
+    NEW_PREFERENCES,
+    NEW_STYLE_MODES,
+    NEW_STYLE_SENTENCES,
     NO_HINT,
+    OBJECTION_HINT,
+    OBJECTION_RESTATES,
+    OBJECTIONS,
+    OWN_NAMES,
+    STYLE_FRAMES,
+    STYLE_PREFERENCES,
     WRITTEN,
     JudgeExample,
     agent_set,
+    hint_preference,
     iter_examples,
     normalize,
     perturb,
     training_set,
 )
-from clawrl.world.town import FACT_HINT, HINTS, PREFERENCES, World, satisfies
+from clawrl.world.town import FACT_HINT, HINTS, PREFERENCES, World, is_correct, satisfies
 from judge.config import JUDGE_MODEL_SETTINGS
 from judge.parse import parse_hint, parse_score
 from judge.prompts import render_fields, render_hint, render_judge, render_prm
@@ -51,8 +63,10 @@ def test_every_kind_and_preference_is_covered(sample: list[JudgeExample]) -> Non
     for kind, share in MIX.items():
         assert abs(kinds[kind] / len(sample) - share) < 0.03, kind
     prefs = Counter(e.preference for e in sample if e.kind == "style")
-    assert set(prefs) == set(PREFERENCES)
-    assert min(prefs.values()) >= 60
+    assert set(prefs) == set(STYLE_PREFERENCES) == set(PREFERENCES) | set(NEW_PREFERENCES)
+    assert min(prefs.values()) >= 50
+    # The nine keep most of their weight beside the six new preferences.
+    assert min(prefs[p] for p in PREFERENCES) / len(sample) > 0.022
 
 
 def test_follow_ups_are_varied_and_perturbed(sample: list[JudgeExample]) -> None:
@@ -86,9 +100,17 @@ def test_targets_match_the_turn(sample: list[JudgeExample]) -> None:
         parsed = parse_hint(hint)
         assert parsed.ok
         reply = e.reply["content"]
-        if e.kind == "style":
-            assert e.preference is not None and not satisfies(e.preference, reply)
+        if e.kind == "style" and e.preference in PREFERENCES:
+            assert not satisfies(e.preference, reply)
             assert parsed.hint == HINTS[e.preference][0]
+        elif e.kind == "style":
+            assert e.preference in NEW_PREFERENCES and parsed.hint is not None
+            assert hint_preference(parsed.hint) == e.preference
+            if e.preference != "language":
+                assert parsed.hint == NEW_HINTS[e.preference]
+        elif e.kind == "objection":
+            assert e.label == -1 and parsed.hint is not None
+            assert parsed.hint.startswith(OBJECTION_HINT.split("{")[0])
         elif e.kind == "fact":
             fact = parsed.hint.removeprefix(FACT_HINT.format(fact="")) if parsed.hint else ""
             assert fact and fact in e.next_state[0]["content"]
@@ -178,6 +200,113 @@ def test_without_hand_written_lines_the_stream_is_the_earlier_builds() -> None:
     assert digest[:16] == "60a0df98f3581a96"
     mixed = training_set(200, 0, 0.5)
     assert [e.template for e in mixed] != [e.template for e in plain]
+
+
+def test_the_preferences_real_people_state_are_taught(sample: list[JudgeExample]) -> None:
+    """Each of the six preferences beyond the tiny world's nine comes as a correction (-1)
+    after a reply that breaks it (by real.py's `breaks`, the real-replies set's own check),
+    with its canonical hint, which real.py's scoring counts as the right hint; a language
+    request's hint names the language the user asked for, in English."""
+    from clawrl.judgemodel.real import breaks, right_hint
+
+    world = World.build(0)
+    by_pref: dict[str, list[JudgeExample]] = {p: [] for p in NEW_PREFERENCES}
+    for e in sample:
+        if e.kind == "style" and e.preference in NEW_PREFERENCES:
+            by_pref[e.preference].append(e)
+    for pref, examples in by_pref.items():
+        assert len(examples) >= 50, pref
+        for e in examples:
+            assert e.label == -1 and e.prm_target == "\\boxed{-1}"
+            reply = e.reply["content"]
+            user = e.next_state[0]["content"]
+            if pref == "language":
+                language = e.hint.removeprefix("Reply in ").removesuffix(".") if e.hint else ""
+                assert language in LANGUAGES and e.hint == NEW_HINTS[pref].format(
+                    language=language)
+                assert (language.lower() in user.lower()
+                        or OWN_NAMES.get(language, "?").lower() in user.lower())
+                if language in ("Spanish", "French", "German"):  # those real.py knows
+                    assert right_hint(pref, e.hint, language)
+                continue
+            assert e.hint == NEW_HINTS[pref] and right_hint(pref, e.hint)
+            q = world.find(e.request[-1]["content"])
+            assert q is not None
+            assert breaks(pref, reply, value=world.answer(q)), (pref, reply)
+    assert {e.hint for e in by_pref["language"]} >= {
+        f"Reply in {lang}." for lang in ("Spanish", "French", "German")}
+    assert all(right_hint("language", f"Reply in {lang}.", lang)
+               for lang in ("Spanish", "French", "German"))
+    # Replies in the shapes they complain about also get praise, so a shape alone is no verdict.
+    shaped = [e for e in sample if e.label == 1 and ("\n\n" in e.reply["content"]
+                                                     or "Good question!" in e.reply["content"])]
+    assert len(shaped) > 20
+
+
+def test_objections_are_corrections_that_ask_the_question_again(
+        sample: list[JudgeExample]) -> None:
+    """An objection follows a reply that does not answer the judged question; it is -1, and
+    its hint asks for that question, as the user restated it (else as it was asked). Moving
+    on never asks the judged question again."""
+    world = World.build(0)
+    objections = [e for e in sample if e.kind == "objection"]
+    assert len(objections) > 120
+    restated = 0
+    for e in objections:
+        assert e.label == -1 and e.hint is not None
+        q = world.find(e.request[-1]["content"])
+        assert q is not None and not is_correct(world, q, e.reply["content"])
+        asked = e.hint.removeprefix(OBJECTION_HINT.split("{")[0])
+        assert e.hint == OBJECTION_HINT.format(question=asked)
+        if "{question}" in e.template:
+            restated += 1
+            assert asked in e.next_state[0]["content"]
+            assert asked.lower().rstrip("?.") == q.text.lower().rstrip("?.")
+        else:
+            assert asked == q.text
+    assert 0.5 < restated / len(objections) < 0.8
+    for e in sample:
+        if e.kind == "move_on":
+            asked = e.request[-1]["content"].lower()
+            assert asked not in e.next_state[0]["content"].lower()
+
+
+def test_no_new_phrasing_is_in_or_near_a_held_out_line() -> None:
+    """The phrasings of the new preferences and objections (alone, in their frames, with
+    each language filled) are not in, nor within a difflib ratio of 0.85 of, a line of the
+    held-out set, the simulated users' pool, the dev set or the real-replies set
+    (normalized). Only our own phrasings are named when one is."""
+    from clawrl.judgemodel.real import FOLLOWUPS
+
+    held = {normalize(json.loads(line)["text"]) for path in [*HELD_OUT, FOLLOWUPS]
+            for line in path.read_text(encoding="utf-8").splitlines() if line.strip()}
+    assert len(held) > 800
+    ours = {t for pref in NEW_PREFERENCES for t in NEW_STYLE_SENTENCES[pref]}
+    ours |= {f.replace("{m}", m) for pref in NEW_PREFERENCES for m in NEW_STYLE_MODES[pref]
+             for f in STYLE_FRAMES}
+    ours |= set(OBJECTIONS) | {r.replace("{o}", o.rstrip("?!.")) for o in OBJECTIONS
+                               for r in OBJECTION_RESTATES}
+    filled = {t.replace("{language}", lang) for t in ours for lang in
+              (*LANGUAGES, *OWN_NAMES.values())}
+    texts = {normalize(t) for t in ours | filled}
+    inside = sorted(t for t in texts if t in held)  # ours only: the held-out lines stay unread
+    assert not inside, f"{len(inside)} new phrasings are held-out lines: {inside}"
+    near = []
+    for t in texts:
+        for h in held:
+            m = difflib.SequenceMatcher(None, t, h)
+            if m.real_quick_ratio() >= 0.85 and m.quick_ratio() >= 0.85 and m.ratio() >= 0.85:
+                near.append(t)
+                break
+    assert not near, f"{len(near)} new phrasings near held-out lines: {sorted(near)}"
+
+
+def test_written_share_zero_keeps_the_earlier_stream() -> None:
+    """At written share 0 (the builds before the hand-written lines) nothing new is drawn:
+    no objections, no new preferences."""
+    plain = training_set(600, 0, 0.0)
+    assert {e.kind for e in plain} <= {"praise", "move_on", "style", "fact", "neutral"}
+    assert {e.preference for e in plain if e.kind == "style"} <= set(PREFERENCES)
 
 
 def test_agent_steps_are_judged_by_what_came_back() -> None:
