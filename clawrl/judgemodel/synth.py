@@ -2,10 +2,15 @@
 
 Each example is one judged turn: a tiny-world question (sometimes after an earlier exchange),
 the assistant's reply in some style, and the user's next message — praise, a move on to the
-next question, a style request or complaint, a fact correction, or (rarely) a message that
+next question, a style request or complaint, a fact correction, an objection (the reply did
+not answer what was asked, often with the question asked again), or (rarely) a message that
 gives no verdict. Targets are what the judge must answer: `\\boxed{1|-1|0}` for the PRM
 prompt, and for the hint prompt the tiny world's canonical hint (`HINTS[pref][0]`, or
-`FACT_HINT` with the stated fact) so the policy can follow it, or `[NO_HINT]`.
+`FACT_HINT` with the stated fact), the judge-side hint of a preference beyond the tiny
+world's nine (`NEW_HINTS`: one paragraph, answer first, formal, casual, another language,
+no emoji; `Reply in {language}.` names the language asked for) or `OBJECTION_HINT` with the
+question, so the policy can follow it, or `[NO_HINT]`. The six new preferences stay
+judge-side: the tiny world's users, corpus and eval keep their nine.
 
 The follow-ups are built from this module's own phrasing lists (none taken from the corpus,
 the simulated users' pool or the held-out set), combined and perturbed: casing, typos,
