@@ -48,12 +48,12 @@ from clawrl.judgemodel.model import (
 from clawrl.judgemodel.synth import (
     LABELS,
     agent_set,
+    hint_preference,
     iter_examples,
     normalize,
     styled_reply,
     training_set,
 )
-from clawrl.judgemodel.synth import hint_preference as canonical_preference
 from clawrl.world.town import HINTS, Style, World, fact_sentence, render_reply, wrong_world
 from judge.backends import ChatBackend, http_client
 from judge.config import JUDGE_MODEL_SETTINGS, JudgeSettings
@@ -171,13 +171,6 @@ def agent_cases(n: int) -> list[Case]:
                "preference": None, "text": ex.template}
         cases.append(Case(row, ex.request, ex.reply, ex.next_state, ex.label, None))
     return cases
-
-
-def hint_preference(hint: str | None) -> str | None:
-    """The preference whose canonical hint this is (case and spacing ignored), or None: the
-    tiny world's nine (`HINTS`) and those the judge is taught beside them (synth.py
-    `NEW_HINTS`, e.g. "Reply in Spanish.")."""
-    return canonical_preference(hint)
 
 
 def start_engine(model: Path, port: int, threads: int, log: Path,

@@ -206,7 +206,7 @@ def pair(followups: list[dict[str, Any]], questions: list[dict[str, Any]],
 
 # --- evaluation ---------------------------------------------------------------------------------
 # A right hint: for the judge's nine preferences its canonical hint (as on the tiny-world set,
-# evaluate.py `hint_preference`); for a preference it was never taught, a hint that names it
+# synth.py `hint_preference`); for a preference it was never taught, a hint that names it
 # (these words, case ignored; the language by its English or own name).
 NAMES = {
     "one_paragraph": r"paragraph|line breaks?|one block",
@@ -222,7 +222,7 @@ LANGUAGE_NAMES = {"Spanish": r"spanish|español|espanol", "French": r"french|fra
 
 
 def right_hint(preference: str, hint: str | None, language: str | None = None) -> bool:
-    from clawrl.judgemodel.evaluate import hint_preference
+    from clawrl.judgemodel.synth import hint_preference
 
     if hint is None:
         return False
