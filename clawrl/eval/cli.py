@@ -193,6 +193,8 @@ def parse_args(argv: list[str]) -> EvalConfig:
                            ("reward_baseline", "REWARD_BASELINE")):
             if getattr(args, flag) is not None:
                 extra_env[f"CLAWRL_TRAINER__{name}"] = str(getattr(args, flag))
+        if args.mini_batches != EvalConfig.mini_batches:
+            extra_env["CLAWRL_TRAINER__MINI_BATCHES"] = str(args.mini_batches)
         args.methods = args.methods or "combine,none"
         args.prefs = args.prefs or ",".join(EVERYDAY_DEFAULT_PREFS)
         args.rounds = 10 if args.rounds is None else args.rounds

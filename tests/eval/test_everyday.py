@@ -107,6 +107,8 @@ def test_a_real_model_by_name_is_an_everyday_run() -> None:
     assert "CLAWRL_TRAINER__LR" not in env  # the model's recipe ...
     assert config.extra_env == {"CLAWRL_TRAINER__LR": "1e-05"}  # ... but what was asked
     assert not cli.parse_args([]).everyday
+    steps = cli.parse_args(["--model", "smollm2-135m", "--mini-batches", "4"])
+    assert steps.extra_env == {"CLAWRL_TRAINER__MINI_BATCHES": "4"}
 
 
 def test_the_people_chat_until_the_trainers_batch_is_full() -> None:
