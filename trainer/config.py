@@ -81,7 +81,9 @@ class TrainerSettings(BaseModel):
     # over the batch's samples of the same user where there are two or more, else the
     # batch's mean: a user who praises every reply teaches nothing by it.
     # Unset: `batch_mean` in personal mode (its adapters kept answer accuracy with it,
-    # docs/eval.md "One adapter per user"), else `none`.
+    # docs/eval.md "One adapter per user"); in the shared model `user_mean` for a batch of
+    # several users (one user who praises everything then steers nothing through the
+    # reward: docs/trainer.md "A reward baseline") and `none` for one user's batch.
     reward_baseline: Literal["none", "batch_mean", "group_mean", "user_mean"] | None = None
     # How a batch's tokens weigh in the loss (trainer/data.py `share_by_user`). `user`: each
     # user of the batch weighs the same, their tokens' mean taken apart and the users' means
@@ -271,8 +273,19 @@ class TrainerSettings(BaseModel):
 
     @property
     def baseline(self) -> str:
-        """The reward baseline in effect (`reward_baseline`, or its default for the mode)."""
-        return self.reward_baseline or ("batch_mean" if self.personal else "none")
+        """The reward baseline in effect for a batch of several users (`reward_baseline`, or
+        its default for the mode); `baseline_for` says it for a batch's users."""
+        return self.reward_baseline or ("batch_mean" if self.personal else "user_mean")
+
+    def baseline_for(self, users: int) -> str:
+        """The reward baseline in effect for a batch of `users` distinct users. Unset, the
+        shared model compares each user's rewards with their own mean when a batch holds
+        several users, and keeps one user's raw rewards (what the person-pace runs were
+        measured with: a new user's first corrections are all −1, and a batch mean would
+        take their push away)."""
+        if self.reward_baseline is None and not self.personal and users < 2:
+            return "none"
+        return self.baseline
 
 
 class Settings(ProxyProcessSettings):

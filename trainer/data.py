@@ -545,12 +545,13 @@ def claim_batch(
             batch = collate(samples, current_version)
             if cfg.loss_share == "user":
                 share_by_user(batch, [s.user_id for s in samples])
-            if cfg.baseline != "none":
+            baseline = cfg.baseline_for(len({s.user_id for s in samples}))
+            if baseline != "none":
                 mixed, on = mix_rewards(method=cfg.method, w_outcome=cfg.outcome_weight,
                                         reward=batch.reward, has_reward=batch.has_reward,
                                         outcome=batch.outcome, has_outcome=batch.has_outcome)
-                groups = ([s.task for s in samples] if cfg.baseline == "group_mean" else
-                          [s.user_id for s in samples] if cfg.baseline == "user_mean" else None)
+                groups = ([s.task for s in samples] if baseline == "group_mean" else
+                          [s.user_id for s in samples] if baseline == "user_mean" else None)
                 batch.baseline = (reward_baseline(mixed, on) if groups is None
                                   else group_baseline(mixed, on, groups))
             return Claim(conn, batch, [s.reward for s in samples], skipped,

@@ -146,8 +146,9 @@ def parse_args(argv: list[str]) -> EvalConfig:
                    default=None,
                    help="subtract the batch's mean reward from each sample's, or (group_mean) "
                         "that of the samples of its task (the trainer's reward_baseline; "
-                        "default: the trainer's, batch_mean for --personal's adapters and none "
-                        f"for the shared model; --track toolcall: {TOOLCALL_BASELINE})")
+                        "default: the trainer's, batch_mean for --personal's adapters, for the "
+                        "shared model user_mean (none for a batch of one user); --track "
+                        f"toolcall: {TOOLCALL_BASELINE})")
     p.add_argument("--group", type=int, default=EvalConfig.group,
                    help="--track toolcall: training episodes per question (each wave runs "
                         "every question this many times; with --reward-baseline group_mean "

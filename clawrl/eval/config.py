@@ -99,7 +99,7 @@ class EvalConfig:
     # rated +1 replayed in every step; 0: none.
     replay_coef: float = 0.0
     # The trainer's `reward_baseline`; None: the trainer's default (batch_mean for personal
-    # adapters, none for the shared model).
+    # adapters; for the shared model user_mean, or none for a batch of one user).
     reward_baseline: str | None = None
     # The trainer's optimizer steps per version (`mini_batches`). On the tool-call track 4
     # (of 16 samples each) made it worse: peaks of 0.78 / 0.84, then 0.53-0.56 by v8

@@ -111,7 +111,8 @@ def test_personal_adapters_train_with_their_own_recipe_unless_told_otherwise(
     """What personal mode was measured with (docs/eval.md "One adapter per user") is its
     default, whether personal mode comes from the flag or the environment: the batch-mean
     baseline, and on the tiny world a KL of 0.2 instead of the corpus term. The shared model
-    keeps the raw reward and its own recipe; an explicit setting wins."""
+    compares each user's rewards with their own mean (one user alone: the raw reward) and keeps
+    its own recipe; an explicit setting wins."""
     from clawrl.world.recipe import PERSONAL_RECIPE, TINYWORLD_RECIPE
     from trainer.train import build_parser, resolve_settings
 
@@ -121,7 +122,9 @@ def test_personal_adapters_train_with_their_own_recipe_unless_told_otherwise(
     model = ["--model", str(PREBUILT_CI)]
     shared = resolve_settings(build_parser().parse_args(model)).trainer
     assert (shared.baseline, shared.kl_coef, shared.ptx_coef) == (
-        "none", TINYWORLD_RECIPE["kl_coef"], TINYWORLD_RECIPE["ptx_coef"])
+        "user_mean", TINYWORLD_RECIPE["kl_coef"], TINYWORLD_RECIPE["ptx_coef"])
+    # ... for a batch of several users; one user's batch keeps the raw reward
+    assert (shared.baseline_for(2), shared.baseline_for(1)) == ("user_mean", "none")
     flag = resolve_settings(build_parser().parse_args([*model, "--personal"])).trainer
     assert (flag.baseline, flag.kl_coef, flag.ptx_coef, flag.ptx_data) == (
         "batch_mean", PERSONAL_RECIPE["kl_coef"], 0, None)

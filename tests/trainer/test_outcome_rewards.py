@@ -339,3 +339,33 @@ def test_the_user_baseline_leaves_a_user_who_praises_everything_with_nothing(
     assert [float(advantages[claim.batch.sample_ids.index(i)]) for i in ids] == \
         pytest.approx([0.0, 0.0, 0.0, 1.0, -1.0])
     claim.release()
+
+
+def test_the_shared_models_default_baseline_is_each_users_mean_for_several_users(
+        db: Engine, add_sample: SampleFactory) -> None:
+    """Unset, the shared model's batch of several users is `user_mean` (a praiser's +1s are
+    worth nothing); a batch of one user's samples keeps the raw reward (no baseline), as the
+    person-pace runs were measured."""
+    from clawrl.base.db import User
+
+    with db.begin() as conn:
+        praiser = conn.execute(User.__table__.insert().values(name="praiser")
+                               .returning(User.__table__.c.id)).scalar_one()
+    alone = [add_sample(reward=-1), add_sample(reward=-1)]
+    settings = cfg(method="rl", batch_size=2)
+    assert settings.reward_baseline is None and not settings.personal
+    claim, _ = claim_batch(db, settings, LIMITS, 0)
+    assert claim is not None and claim.batch.sample_ids == alone
+    assert claim.batch.baseline.tolist() == [0.0, 0.0]  # one user: the raw −1s push
+    claim.release()
+    with db.begin() as conn:  # trained: out of the next draw
+        conn.execute(text("UPDATE samples SET trained_step = 1"))
+    ids = [add_sample(reward=1, user_id=praiser) for _ in range(2)]
+    ids += [add_sample(reward=1), add_sample(reward=-1)]
+    settings = cfg(method="rl", batch_size=4, user_batch_share=1, user_quota=1,
+                   max_batch_size=4)
+    claim, _ = claim_batch(db, settings, LIMITS, 0)
+    assert claim is not None and sorted(claim.batch.sample_ids) == sorted(ids)
+    by_id = dict(zip(claim.batch.sample_ids, claim.batch.baseline.tolist(), strict=True))
+    assert [by_id[i] for i in ids] == pytest.approx([1.0, 1.0, 0.0, 0.0])
+    claim.release()
