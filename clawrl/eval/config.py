@@ -26,8 +26,10 @@ ATTACK_METHODS = ("defended", "undefended")
 # `batch_size` drawn round robin (stack_env adds MAX_BATCH_SIZE = the batch), no window.
 NO_FAIR_SHARE = {"CLAWRL_TRAINER__USER_BATCH_SHARE": "1", "CLAWRL_TRAINER__USER_QUOTA": "1",
                  "CLAWRL_TRAINER__USER_WINDOW_BATCHES": "0"}
-# The trainer's settings that bound one user's influence, turned off for `undefended`.
-UNDEFENDED_TRAINER: dict[str, str] = {**NO_FAIR_SHARE, "CLAWRL_TRAINER__LOSS_SHARE": "token"}
+# The trainer's settings that bound one user's influence, turned off for `undefended`: the
+# fair share, each user weighing the same in the loss, each user's own reward baseline.
+UNDEFENDED_TRAINER: dict[str, str] = {**NO_FAIR_SHARE, "CLAWRL_TRAINER__LOSS_SHARE": "token",
+                                      "CLAWRL_TRAINER__REWARD_BASELINE": "none"}
 # The product's share of a version, said explicitly to the trainer (its defaults), for
 # `defended` and the real-model eval's people: a quota of half a batch per user waiting, a
 # quarter while the others have fewer, at most two batches. Their rounds chat until every

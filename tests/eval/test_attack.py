@@ -101,10 +101,12 @@ def test_attack_arguments_and_the_undefended_stack() -> None:
     defended = evalconfig.stack_env(config, "defended")
     undefended = evalconfig.stack_env(config, "undefended")
     assert defended["CLAWRL_TRAINER__METHOD"] == undefended["CLAWRL_TRAINER__METHOD"]
-    # Undefended: one batch of 64 drawn round robin, no share per user, tokens weighed alike.
+    # Undefended: one batch of 64 drawn round robin, no share per user, tokens weighed alike,
+    # the raw reward.
     assert {k: v for k, v in undefended.items() if defended.get(k) != v} == {
         "CLAWRL_TRAINER__USER_BATCH_SHARE": "1", "CLAWRL_TRAINER__USER_QUOTA": "1",
-        "CLAWRL_TRAINER__MAX_BATCH_SIZE": "64", "CLAWRL_TRAINER__LOSS_SHARE": "token"}
+        "CLAWRL_TRAINER__MAX_BATCH_SIZE": "64", "CLAWRL_TRAINER__LOSS_SHARE": "token",
+        "CLAWRL_TRAINER__REWARD_BASELINE": "none"}
     # Both train full batches, as every method; no window (ten versions take minutes).
     for env in (defended, undefended):
         assert env["CLAWRL_TRAINER__MAX_WAIT_S"] == str(evalconfig.FULL_BATCH_WAIT_S)
@@ -120,6 +122,7 @@ def test_attack_arguments_and_the_undefended_stack() -> None:
     assert evalconfig.version_quota(config, "undefended") == \
         trainer(undefended).share_rule.quota == 64
     assert trainer(defended).share_rule == TrainerSettings(batch_size=64).share_rule
+    assert trainer(defended).baseline == "user_mean"  # the shared model's default
 
 
 @pytest.mark.parametrize("argv", [["--attack", "--personal"],
