@@ -53,7 +53,7 @@ ROOMS: dict[str, set[str]] = {
     "clawrl.swemodel": {"clawrl.engine", "clawrl.world", "clawrl.envs"},
     "clawrl.eval": {"clawrl.base", "proxy", "clawrl.cli", "clawrl.world", "clawrl.envs"},
     "clawrl.bench": {"clawrl.base", "clawrl.engine", "proxy", "judge", "trainer", "clawrl.cli",
-                     "clawrl.world", "clawrl.envs", "clawrl.judgemodel"},
+                     "clawrl.world", "clawrl.envs", "clawrl.judgemodel", "clawrl.eval"},
 }
 
 

@@ -36,7 +36,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "sql": ("proxy.admin", "sql_main", "run a read-only SQL query on the log"),
     "bench": ("clawrl.cli.main", "bench_main",
               "benchmarks: proxy, faults, judge, trainer, adapters, placement, megatron, env, "
-              "engine, grammar, pace"),
+              "engine, grammar, pace, teacher"),
 }
 
 # Commands that administer an existing stack: pointed at the running `clawrl up`.
@@ -57,6 +57,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "grammar": ("clawrl.bench.grammar", "main"),
     "pace": ("clawrl.eval.pace", "main"),  # a simulated person: lives with the eval
     "toolcalls": ("clawrl.bench.toolcalls", "main"),
+    "teacher": ("clawrl.bench.teacher", "main"),
 }
 
 
