@@ -36,7 +36,7 @@ UNDEFENDED_TRAINER: dict[str, str] = {**NO_FAIR_SHARE, "CLAWRL_TRAINER__LOSS_SHA
 # user waiting has a quota (`version_quota`): the trainer's batch is then full (a version
 # of `--attack` holds what the plain eval's holds of each honest user).
 PRODUCT_SHARE = {"CLAWRL_TRAINER__USER_BATCH_SHARE": "0.25",
-                  "CLAWRL_TRAINER__USER_QUOTA": "0.5"}
+                 "CLAWRL_TRAINER__USER_QUOTA": "0.5"}
 PRODUCT_MAX_BATCH = 2  # × batch_size
 # The tool-call track trains as `clawrl up` trains the tool-call model (trainer/config.py
 # TOOLS_RECIPE): its learning rate and the batch-mean baseline.
@@ -146,6 +146,14 @@ class EvalConfig:
     everyday: bool = False
 
 
+def product_share(batch: int) -> dict[str, str]:
+    """The trainer's settings for the product's share of a version (`PRODUCT_SHARE`, at most
+    `PRODUCT_MAX_BATCH` batches), without the per-hour window: it bounds a user over an hour,
+    and an eval's versions take minutes, each simulated user standing for a crowd."""
+    return {**PRODUCT_SHARE, "CLAWRL_TRAINER__MAX_BATCH_SIZE": str(PRODUCT_MAX_BATCH * batch),
+            "CLAWRL_TRAINER__USER_WINDOW_BATCHES": "0"}
+
+
 def version_quota(config: EvalConfig, method: str) -> int:
     """The most samples of one user a version of `method`'s stack takes while others wait
     (the trainer's quota, ⌊USER_QUOTA · batch_size⌋): `--attack`'s and the real-model
@@ -187,9 +195,7 @@ def stack_env(config: EvalConfig, method: str) -> dict[str, str]:
                 "CLAWRL_TRAINER__MAX_WAIT_S": str(FULL_BATCH_WAIT_S),
                 "CLAWRL_TRAINER__POLL_S": "0.5", "CLAWRL_TRAINER__SEED": str(config.seed),
                 # The people are users of one shared model: the product's fair share
-                **PRODUCT_SHARE,
-                "CLAWRL_TRAINER__MAX_BATCH_SIZE": str(PRODUCT_MAX_BATCH * batch),
-                "CLAWRL_TRAINER__USER_WINDOW_BATCHES": "0"}
+                **product_share(batch)}
     recipe = method_recipe(config, method)
     env = {"CLAWRL_JUDGE__CONCURRENCY": str(max(4, config.parallel * len(config.prefs)
                                                 * config.users_per_pref)),
@@ -213,10 +219,8 @@ def stack_env(config: EvalConfig, method: str) -> dict[str, str]:
         env.update(NO_FAIR_SHARE, CLAWRL_TRAINER__MAX_BATCH_SIZE=str(batch))
     else:
         # `defended`: the product's share of a version, full batches as every method (a
-        # version is full once each user waiting has a quota). No window: it bounds a user
-        # per hour, and the eval's ten versions take minutes, each simulated user a crowd.
-        env.update(PRODUCT_SHARE, CLAWRL_TRAINER__MAX_BATCH_SIZE=str(PRODUCT_MAX_BATCH * batch),
-                   CLAWRL_TRAINER__USER_WINDOW_BATCHES="0")
+        # version is full once each user waiting has a quota).
+        env.update(product_share(batch))
     if config.mini_batches != 1:
         env["CLAWRL_TRAINER__MINI_BATCHES"] = str(config.mini_batches)
     if config.reward_baseline is not None:
